@@ -1,0 +1,83 @@
+"""Turn a README's forward error bound into a check.
+
+Every kernel in the course is "equivalent to its definition" in one of two senses:
+
+* bitwise: the kernel does no rounding the definition does not do (copy, swap, scal), so the
+  stored bits must equal the reference rounded to the output dtype;
+* within a derived bound: the kernel rounds in a different order than the exact math, and the
+  folder's README derives how far that can move each element, |y_hat - y| <= bound, from
+  the unit roundoff u of each precision involved and gamma(k) = k*u / (1 - k*u).
+
+README.md beside this file derives the model. Nothing here knows about any particular kernel.
+"""
+
+import torch
+
+# Unit roundoff u = 2**-p for a format with p significand bits (counting the implicit one):
+# round-to-nearest moves a value by at most a relative u.
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def unit_roundoff(dtype):
+    return 2.0 ** -_SIGNIFICAND_BITS[dtype]
+
+
+def gamma(k, u):
+    """Higham's gamma_k: the relative error bound of k successive roundings, |prod(1+d_i) - 1|."""
+    if k * u >= 1:
+        raise ValueError(f"gamma({k}) is unbounded for u = {u}: k*u >= 1")
+    return k * u / (1 - k * u)
+
+
+def store_roundoff(dtype, compute_dtype=torch.float32):
+    """u of the final store: 0 when the result is already held in the output's own precision."""
+    return 0.0 if dtype == compute_dtype else unit_roundoff(dtype)
+
+
+def _bits(t):
+    integer_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(integer_type)
+
+
+def assert_same_bits(actual, expected, what="result"):
+    """Bitwise equality (NaN payloads and the sign of zero included) of two tensors of one dtype."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(
+            f"{what}: got {actual.dtype} {tuple(actual.shape)}, "
+            f"expected {expected.dtype} {tuple(expected.shape)}"
+        )
+    differ = _bits(actual.cpu()) != _bits(expected.cpu())
+    if differ.any():
+        first = int(differ.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(differ.sum())} of {actual.numel()} elements differ in their bits; "
+            f"first at {first}: got {actual[first].item()!r}, expected {expected[first].item()!r}"
+        )
+
+
+def assert_matches_rounded(actual, exact, what="result"):
+    """Bitwise equality with the exact float64 result rounded once to actual's dtype."""
+    assert_same_bits(actual, exact.to(actual.dtype), what)
+
+
+def assert_within_bound(actual, exact, bound, what="result"):
+    """|actual - exact| <= bound elementwise, exact and bound in float64.
+
+    Non-finite exact values must be reproduced exactly (NaN where NaN, the same infinity), and a
+    finite exact value must not come back as NaN or infinity."""
+    actual = actual.detach().cpu().to(torch.float64)
+    exact, bound = exact.cpu().to(torch.float64), bound.cpu().to(torch.float64)
+    finite = torch.isfinite(exact)
+    nan_mismatch = torch.isnan(actual) != torch.isnan(exact)
+    inf_mismatch = ~finite & ~torch.isnan(exact) & (actual != exact)
+    error = torch.where(finite, (actual - exact).abs(), torch.zeros_like(exact))
+    too_far = finite & ~(error <= bound)  # a NaN error (actual NaN) also lands here
+    bad = nan_mismatch | inf_mismatch | too_far
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        ratio = (error[finite] / bound[finite].clamp_min(torch.finfo(torch.float64).tiny)).max()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {actual.numel()} elements outside the bound; first at "
+            f"{first}: got {actual[first].item()!r}, exact {exact[first].item()!r}, "
+            f"bound {bound[first].item():.3e}; worst error/bound {ratio.item():.3g}"
+        )

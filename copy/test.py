@@ -1,0 +1,187 @@
+"""Tests for copy: every implementation reproduces x bit for bit.
+
+Run with `python test.py` (or `nox -s copy` from the top). Without a GPU, torch runs on the CPU,
+Triton under its interpreter, and the CuTe kernels are compiled for sm_90a and their PTX checked;
+launching them needs the GPU, and those tests say so when they skip.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import assert_matches_rounded, assert_same_bits
+
+try:
+    import cute_impl
+except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+# 0, 1, primes, 2**k +- 1 and the edges of the Triton block (4096 float32 / 8192 16-bit elements).
+SIZES = [0, 1, 2, 3, 7, 31, 127, 128, 129, 1023, 1025, 4095, 4096, 4097, 8191, 8193, 65537]
+
+
+def entry_point(name):
+    """The implementation's copy. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {
+        "reference": reference,
+        "torch": torch_impl,
+        "triton": triton_impl,
+        "cute": cute_impl,
+    }
+    return modules[name].copy
+
+
+def implementation(name):
+    """The implementation's copy, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return entry_point(name)
+
+
+def random_vector(n, dtype, step=1):
+    """n fresh random values (a step > 1 gives a strided view into a larger buffer)."""
+    return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def poisoned(n, dtype, step=1, margin=64):
+    """A view of n elements inside a buffer filled with NaN, for catching stray writes."""
+    buffer = torch.full((2 * margin + n * step,), float("nan"), device=DEVICE, dtype=dtype)
+    return buffer, buffer[margin : margin + n * step : step]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference(impl, dtype, n):
+    copy = implementation(impl)
+    x, y = random_vector(n, dtype), random_vector(n, dtype)
+    expected = reference.copy(x.cpu(), y.cpu())
+    assert copy(x, y) is y
+    assert_matches_rounded(y, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step_x, step_y", [(3, 1), (1, 2), (5, 7), (0, 1)])
+def test_strided_inside_guard(impl, dtype, step_x, step_y):
+    """Strided (and stride-0, broadcast) inputs, the output a strided view in a NaN-filled buffer:
+    every element of the view is written and nothing between or around them is touched."""
+    copy = implementation(impl)
+    n = 4097
+    x = random_vector(n, dtype, max(step_x, 1)) if step_x else random_vector(1, dtype).expand(n)
+    buffer, y = poisoned(n, dtype, step_y)
+    copy(x, y)
+    assert_same_bits(y, x)
+    untouched = torch.ones_like(buffer, dtype=torch.bool)
+    untouched[64 : 64 + n * step_y : step_y] = False
+    assert buffer[untouched].isnan().all(), "an element outside y was written"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values_and_repeatability(impl, dtype):
+    """NaN, infinities, signed zeros and subnormals travel unchanged, and two runs agree bitwise."""
+    copy = implementation(impl)
+    tiny = torch.finfo(dtype).tiny
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, tiny / 4, -tiny / 2]
+    x = random_vector(3001, dtype)
+    x[: len(special)] = torch.tensor(special, dtype=dtype, device=DEVICE)
+    first, second = copy(x, torch.empty_like(x)), copy(x, torch.empty_like(x))
+    assert_same_bits(first, x)
+    assert_same_bits(second, first)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_copy_onto_itself(impl):
+    copy = implementation(impl)
+    x = random_vector(1000, torch.float32)
+    before = x.clone()
+    assert copy(x, x) is x
+    assert_same_bits(x, before)
+
+
+def bad_inputs():
+    """(x, y, expected error, words the message must contain)"""
+    f32 = lambda n, **kw: torch.randn(n, device=DEVICE, **kw)  # noqa: E731
+    buffer = f32(20)
+    yield [1.0, 2.0], f32(2), TypeError, "x must be a torch.Tensor"
+    yield f32(4).reshape(2, 2), f32(4), ValueError, "x must be a 1-D"
+    yield f32(4), f32(5), ValueError, "5 elements"
+    yield f32(4), f32(4).double(), TypeError, "supported"
+    yield f32(4).to(torch.int32), f32(4).to(torch.int32), TypeError, "supported"
+    yield f32(4), f32(4).half(), TypeError, "does not convert"
+    yield f32(4), f32(1).expand(4), ValueError, "stride 0"
+    yield buffer[0:10], buffer[5:15], ValueError, "partially overlap"
+    if ON_GPU:
+        yield f32(4), torch.randn(4), ValueError, "is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[3])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, before any launch, so CuTe is checked on the CPU too."""
+    copy = entry_point(impl)
+    x, y, error, words = case
+    before = y.clone()
+    with pytest.raises(error, match=words):
+        copy(x, y)
+    assert_same_bits(y, before, "y after a rejected call")
+
+
+def test_interleaved_views_are_not_an_overlap():
+    buffer = random_vector(2000, torch.float32)
+    x, y = buffer[0::2], buffer[1::2]
+    expected = x.clone()
+    torch_impl.copy(x, y)
+    assert_same_bits(y, expected)
+
+
+def test_negative_control():
+    """The bitwise check rejects a copy that read one element from its neighbour."""
+    x = random_vector(1000, torch.bfloat16)
+    wrong = x.clone()
+    wrong[500] = x[501]
+    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
+        assert_same_bits(wrong, x)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (8 GiB of data)")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_more_than_2_to_31_elements(impl):
+    """Offsets past 2**31 elements: a 32-bit index would wrap and overwrite the start."""
+    copy = implementation(impl)
+    n = 2**31 + 5
+    x = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.full_like(x, float("nan"))
+    copy(x, y)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype, tmp_path):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
