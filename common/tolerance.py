@@ -29,6 +29,12 @@ def gamma(k, u):
     return k * u / (1 - k * u)
 
 
+def underflow(dtype):
+    """Absolute error of one rounding among the subnormals, where the relative bound u fails:
+    half the subnormal spacing, tiny * u. A rounding moves v by at most u*|v| + underflow."""
+    return torch.finfo(dtype).tiny * unit_roundoff(dtype)
+
+
 def store_roundoff(dtype, compute_dtype=torch.float32):
     """u of the final store: 0 when the result is already held in the output's own precision."""
     return 0.0 if dtype == compute_dtype else unit_roundoff(dtype)

@@ -1,0 +1,260 @@
+"""Tests for axpby: every implementation lands within the bound README.md derives.
+
+Run with `python test.py` (or `nox -s axpby` from the top). Without a GPU, torch runs on the CPU,
+Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its PTX checked;
+launching it needs the GPU, and those tests say so when they skip.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import (
+    assert_same_bits,
+    assert_within_bound,
+    gamma,
+    store_roundoff,
+    underflow,
+    unit_roundoff,
+)
+
+try:
+    import cute_impl
+except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+SIZES = [0, 1, 2, 3, 7, 31, 127, 128, 129, 1023, 1025, 4095, 4096, 4097, 8191, 8193, 65537]
+SCALARS = [(0.3, -1.7), (2.0, 0.5), (1.0, 1.0), (-1e-3, 7.0)]
+
+
+def convert_bfloat16_like_the_gpu():
+    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
+    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
+    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
+    or the CPU run would check the wrong arithmetic."""
+    from triton.runtime import interpreter
+
+    tl, convert = interpreter.tl, interpreter._convert_float
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    convert_bfloat16_like_the_gpu()
+
+
+def entry_point(name):
+    """The implementation's axpby. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl.axpby if name == "cute" else modules[name].axpby
+
+
+def implementation(name):
+    """The implementation's axpby, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return entry_point(name)
+
+
+def random_vector(n, dtype, step=1):
+    return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def error_bound(alpha, x, beta, y, exact, extra_rounding=False):
+    """README.md's bound, |y_hat - z| <= u_s|z| + (1 + u_s)(c (|a x| + |b y|) + 2 e) + e_s.
+
+    u_s is the store's unit roundoff (0 for float32 data), c = gamma_2 of float32 for a product
+    and the sum; e and e_s are the absolute errors of a float32 and of a storing rounding among
+    the subnormals. With `extra_rounding` every operation (scalar conversion, product, sum) may
+    round to float32 and then to y's dtype, as torch's eager ops can (beta*y goes to a temporary;
+    the CPU also rounds alpha and, on strided data, each product): c = ((1+u)(1+u_s))**3 - 1."""
+    u32, u_s = unit_roundoff(torch.float32), store_roundoff(y.dtype)
+    c = ((1 + u32) * (1 + u_s)) ** 3 - 1 if extra_rounding else gamma(2, u32)
+    a32, b32 = reference.to_float32(alpha), reference.to_float32(beta)
+    zeros = torch.zeros(x.numel(), dtype=torch.float64)
+    abs_ax = abs(a32) * x.cpu().double().abs() if a32 != 0 else zeros
+    abs_by = abs(b32) * y.cpu().double().abs() if b32 != 0 else zeros
+    e, e_s = underflow(torch.float32), underflow(y.dtype)
+    return u_s * exact.abs() + (1 + u_s) * (c * (abs_ax + abs_by) + 2 * e) + e_s
+
+
+def check(impl, alpha, x, beta, y):
+    """Run impl on (x, y) and check the result against the reference within the bound."""
+    exact = reference.axpby(alpha, x.cpu(), beta, y.cpu())
+    bound = error_bound(alpha, x, beta, y, exact, extra_rounding=impl == "torch")
+    result = implementation(impl)(alpha, x, beta, y)
+    assert result is y
+    assert_within_bound(y, exact, bound, f"{impl} alpha={alpha} beta={beta}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference(impl, dtype, n):
+    for alpha, beta in SCALARS:
+        check(impl, alpha, random_vector(n, dtype), beta, random_vector(n, dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step_x, step_y", [(3, 1), (1, 2), (5, 7), (0, 1)])
+def test_strided_inside_guard(impl, dtype, step_x, step_y):
+    """Strided (and stride-0) x, y a strided view in a NaN-filled buffer: every element of y is
+    written and nothing between or around them is touched."""
+    n, margin = 4097, 64
+    x = random_vector(n, dtype, max(step_x, 1)) if step_x else random_vector(1, dtype).expand(n)
+    buffer = torch.full((2 * margin + n * step_y,), float("nan"), device=DEVICE, dtype=dtype)
+    y = buffer[margin : margin + n * step_y : step_y]
+    y.copy_(random_vector(n, dtype))
+    check(impl, 0.3, x, -1.7, y)
+    untouched = torch.ones_like(buffer, dtype=torch.bool)
+    untouched[margin : margin + n * step_y : step_y] = False
+    assert buffer[untouched].isnan().all(), "an element outside y was written"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_scalars_do_not_read(impl, dtype):
+    """beta == 0 ignores NaN in y, alpha == 0 ignores NaN in x, both zero gives zeros."""
+    n = 5000
+    poisoned = torch.full((n,), float("nan"), device=DEVICE, dtype=dtype)
+    check(impl, 0.3, random_vector(n, dtype), 0.0, poisoned.clone())
+    check(impl, 0.0, poisoned.clone(), -1.7, random_vector(n, dtype))
+    y = poisoned.clone()
+    implementation(impl)(0.0, poisoned.clone(), 0.0, y)
+    assert_same_bits(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values_and_repeatability(impl, dtype):
+    """NaN and infinities in read operands propagate as IEEE says; two runs give the same bits."""
+    x, y = random_vector(3001, dtype), random_vector(3001, dtype)
+    specials = [float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).tiny / 4]
+    x[: len(specials)] = torch.tensor(specials, dtype=dtype, device=DEVICE)
+    y[1 : 1 + len(specials)] = torch.tensor(specials, dtype=dtype, device=DEVICE)
+    first = y.clone()
+    check(impl, 0.3, x, -1.7, first)
+    second = y.clone()
+    implementation(impl)(0.3, x, -1.7, second)
+    assert_same_bits(second, first)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_x_and_y_the_same_vector(impl):
+    """axpby(a, y, b, y) = (a + b) y: each element is read before it is written."""
+    y = random_vector(10000, torch.float32)
+    check(impl, 0.3, y, -1.7, y)
+
+
+def bad_inputs():
+    """(alpha, x, beta, y, expected error, words the message must contain)"""
+    f32 = lambda n: torch.randn(n, device=DEVICE)  # noqa: E731
+    buffer = f32(20)
+    yield 1.0, [1.0, 2.0], 1.0, f32(2), TypeError, "x must be a torch.Tensor"
+    yield torch.tensor(1.0), f32(4), 1.0, f32(4), TypeError, "alpha must be a real"
+    yield 1.0, f32(4), None, f32(4), TypeError, "beta must be a real"
+    yield 1.0, f32(4), 1.0, f32(4).reshape(2, 2), ValueError, "y must be a 1-D"
+    yield 1.0, f32(4), 1.0, f32(3), ValueError, "3 elements"
+    yield 1.0, f32(4).half(), 1.0, f32(4), TypeError, "does not convert"
+    yield 1.0, f32(4).double(), 1.0, f32(4).double(), TypeError, "supported"
+    yield 1.0, f32(4), 1.0, f32(1).expand(4), ValueError, "stride 0"
+    yield 1.0, buffer[0:10], 1.0, buffer[5:15], ValueError, "partially overlap"
+    if ON_GPU:
+        yield 1.0, f32(4), 1.0, torch.randn(4), ValueError, "is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, before any launch, so CuTe is checked on the CPU too."""
+    axpby = entry_point(impl)
+    *operands, error, words = case
+    y = operands[3]
+    before = y.clone()
+    with pytest.raises(error, match=words):
+        axpby(*operands)
+    assert_same_bits(y, before, "y after a rejected call")
+
+
+def test_negative_controls():
+    """The bound rejects an element read from its neighbour, and it is tight enough to reject
+    torch's extra rounding of beta*y in bfloat16 where the fused kernels' bound applies."""
+    n, alpha, beta = 10000, 0.3, -1.7
+    x, y = random_vector(n, torch.bfloat16).cpu(), random_vector(n, torch.bfloat16).cpu()
+    exact = reference.axpby(alpha, x, beta, y)
+    fused_bound = error_bound(alpha, x, beta, y, exact)
+    neighbour = exact.to(torch.bfloat16)
+    neighbour[500] = neighbour[501]
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within_bound(neighbour, exact, fused_bound)
+    beta_y_stored = (beta * y.float()).bfloat16().float()
+    rounded_twice = (reference.to_float32(alpha) * x.float() + beta_y_stored).bfloat16()
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within_bound(rounded_twice, exact, fused_bound)
+    assert_within_bound(rounded_twice, exact, error_bound(alpha, x, beta, y, exact, True))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (12 GiB with the reference)")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_more_than_2_to_31_elements(impl):
+    """Offsets past 2**31 elements: a 32-bit index would wrap and update the start twice. Halving
+    and doubling bfloat16 values is exact, so the float32 torch result is the exact answer."""
+    n = 2**31 + 5
+    x = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    expected = (0.5 * x.float() + 2.0 * y.float()).bfloat16()
+    implementation(impl)(0.5, x, 2.0, y)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+                *sys.argv[1:],
+            ]
+        )
+    )

@@ -1,0 +1,220 @@
+"""Tests for scal: every implementation agrees bit for bit with the definition in reference.py.
+
+Run with `python test.py` (or `nox -s scal` from the top). Without a GPU, torch runs on the CPU,
+Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its PTX checked;
+launching it needs the GPU, and those tests say so when they skip.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import assert_matches_rounded, assert_same_bits
+
+try:
+    import cute_impl
+except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+SIZES = [0, 1, 2, 3, 7, 31, 127, 128, 129, 1023, 1025, 4095, 4096, 4097, 8191, 8193, 65537]
+ALPHAS = [0.3, -2.5, 1.0, 1e-3, 3.0e38]  # 0.3 and 1e-3 are not float32 numbers; 3e38 overflows
+
+
+def convert_bfloat16_like_the_gpu():
+    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
+    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
+    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
+    or the CPU run would check the wrong arithmetic."""
+    from triton.runtime import interpreter
+
+    tl, convert = interpreter.tl, interpreter._convert_float
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    convert_bfloat16_like_the_gpu()
+
+
+def entry_point(name):
+    """The implementation's scal. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl.scal if name == "cute" else modules[name].scal
+
+
+def implementation(name):
+    """The implementation's scal, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return entry_point(name)
+
+
+def random_vector(n, dtype, step=1):
+    return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference(impl, dtype, n):
+    scal = implementation(impl)
+    for alpha in ALPHAS:
+        y = random_vector(n, dtype)
+        expected = reference.scal(alpha, y.cpu())
+        assert scal(alpha, y) is y
+        assert_matches_rounded(y, expected, f"alpha={alpha}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step", [2, 7])
+def test_strided_inside_guard(impl, dtype, step):
+    """y a strided view in a NaN-filled buffer: every element of y is scaled, nothing else moves."""
+    scal = implementation(impl)
+    n, margin = 4097, 64
+    buffer = torch.full((2 * margin + n * step,), float("nan"), device=DEVICE, dtype=dtype)
+    y = buffer[margin : margin + n * step : step]
+    y.copy_(random_vector(n, dtype))
+    expected = reference.scal(-0.7, y.cpu())
+    scal(-0.7, y)
+    assert_matches_rounded(y, expected)
+    untouched = torch.ones_like(buffer, dtype=torch.bool)
+    untouched[margin : margin + n * step : step] = False
+    assert buffer[untouched].isnan().all(), "an element outside y was written"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values_and_repeatability(impl, dtype):
+    """NaN and infinities propagate, subnormals are not flushed, signed zeros keep IEEE signs,
+    and two runs give the same bits."""
+    scal = implementation(impl)
+    tiny = torch.finfo(dtype).tiny
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, tiny / 4, -tiny, 3 * tiny]
+    y = random_vector(3001, dtype)
+    y[: len(special)] = torch.tensor(special, dtype=dtype, device=DEVICE)
+    expected = reference.scal(-0.75, y.cpu())
+    first, second = scal(-0.75, y.clone()), scal(-0.75, y.clone())
+    assert_matches_rounded(first, expected)
+    assert_same_bits(second, first)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_alpha_zero_does_not_read_y(impl, dtype):
+    scal = implementation(impl)
+    y = random_vector(5000, dtype)
+    y[::3] = float("nan")
+    y[1::3] = float("inf")
+    scal(0.0, y)
+    assert_same_bits(y, torch.zeros_like(y))
+
+
+def bad_inputs():
+    """(alpha, y, expected error, words the message must contain)"""
+    f32 = torch.randn(4, device=DEVICE)
+    yield 2.0, [1.0, 2.0], TypeError, "y must be a torch.Tensor"
+    yield torch.tensor(2.0), f32, TypeError, "alpha must be a real"
+    yield 1j, f32, TypeError, "alpha must be a real"
+    yield 2.0, f32.reshape(2, 2), ValueError, "y must be a 1-D"
+    yield 2.0, f32.double(), TypeError, "supported"
+    yield 2.0, f32.to(torch.int32), TypeError, "supported"
+    yield 2.0, f32[:1].expand(4), ValueError, "stride 0"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[3])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, before any launch, so CuTe is checked on the CPU too."""
+    scal = entry_point(impl)
+    alpha, y, error, words = case
+    before = y.clone() if isinstance(y, torch.Tensor) else None
+    with pytest.raises(error, match=words):
+        scal(alpha, y)
+    if before is not None:
+        assert_same_bits(y, before, "y after a rejected call")
+
+
+def test_reference_rounds_like_float32():
+    """The reference's one rounding is float32's: checked against torch's float32 multiply."""
+    y = random_vector(10000, torch.float32)
+    assert_same_bits(reference.scal(0.3, y.cpu()).float(), y.cpu() * 0.3)
+
+
+def test_negative_control():
+    """The bitwise check rejects a result off by one unit in the last place, and an element
+    taken from its neighbour."""
+    y = random_vector(1000, torch.bfloat16)
+    expected = reference.scal(0.3, y.cpu())
+    one_ulp_off = expected.to(torch.bfloat16)
+    one_ulp_off.view(torch.int16)[10] += 1  # the next bfloat16 away from zero
+    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
+        assert_matches_rounded(one_ulp_off, expected)
+    neighbour = expected.to(torch.bfloat16)
+    neighbour[500] = neighbour[501]
+    with pytest.raises(AssertionError, match="differ"):
+        assert_matches_rounded(neighbour, expected)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (4 GiB of data)")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_more_than_2_to_31_elements(impl):
+    """Offsets past 2**31 elements: a 32-bit index would wrap and scale the start twice."""
+    scal = implementation(impl)
+    n = 2**31 + 5
+    y = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    expected = (y.float() * -0.5).bfloat16()  # exact: halving a bfloat16 needs no rounding
+    scal(-0.5, y)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+                *sys.argv[1:],
+            ]
+        )
+    )

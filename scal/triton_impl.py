@@ -1,0 +1,67 @@
+"""scal: y = alpha * y as a Triton kernel.
+
+The same shape as copy's kernel: program `pid` of a 1-D grid owns BLOCK consecutive elements,
+and a mask turns off the lanes past n. Each element is widened to float32, multiplied by alpha
+(passed as a float32 argument, so rounded to float32 once on the host side of the launch) and
+rounded once to y's dtype by the store, the definition's two roundings and no others.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands
+
+# 16 KiB per program: 4 warps, 128 bytes (eight 16-byte vectors) per thread in flight.
+BLOCK_BYTES = 16384
+NUM_WARPS = 4
+
+
+@triton.jit
+def scal_kernel(y_ptr, n, stride_y, alpha, ALPHA_IS_ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: n may pass 2**31
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offs < n
+    y_ptrs = y_ptr + offs * stride_y
+    if ALPHA_IS_ZERO:
+        # BLAS: a zero scale means y is not read, so NaN or infinity in y does not survive.
+        scaled = tl.zeros([BLOCK], dtype=tl.float32)
+    else:
+        # float32 arithmetic for every dtype (the interpreter also mishandles bf16 arithmetic).
+        scaled = tl.load(y_ptrs, mask=in_bounds).to(tl.float32) * alpha
+    tl.store(y_ptrs, scaled.to(y_ptr.dtype.element_ty), mask=in_bounds)
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def scal(alpha, y):
+    check_operands(alpha, y)
+    device = on_device_of(y)
+    n = y.numel()
+    if n == 0:
+        return y
+    block = BLOCK_BYTES // y.element_size()
+    grid = (triton.cdiv(n, block),)
+    with device:
+        scal_kernel[grid](
+            y,
+            n,
+            y.stride(0),
+            float(alpha),
+            ALPHA_IS_ZERO=alpha == 0,
+            BLOCK=block,
+            num_warps=NUM_WARPS,
+        )
+    return y

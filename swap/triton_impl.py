@@ -1,0 +1,59 @@
+"""swap: x <-> y as a Triton kernel.
+
+The same shape as copy's kernel, with two operands each way: program `pid` of a 1-D grid owns
+block pid of both vectors, loads both blocks into registers, then stores each into the other.
+Every element is read and written by one thread only, so no barrier is needed between the loads
+and the stores. Inside a program, `tl.arange` gives every thread a few consecutive elements, so a
+contiguous block is read and written with 16-byte vector instructions, and a mask switches off
+the lanes past n in the last block: no element outside the vector is read or written.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands, overlap
+
+# 16 KiB per operand per program: with 4 warps each thread moves 128 bytes of each vector, eight
+# 16-byte loads in flight per operand, enough to cover DRAM latency.
+BLOCK_BYTES = 16384
+NUM_WARPS = 4
+
+
+@triton.jit
+def swap_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: n may pass 2**31
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offs < n
+    x_ptrs, y_ptrs = x_ptr + offs * stride_x, y_ptr + offs * stride_y
+    x = tl.load(x_ptrs, mask=in_bounds)
+    y = tl.load(y_ptrs, mask=in_bounds)
+    tl.store(x_ptrs, y, mask=in_bounds)
+    tl.store(y_ptrs, x, mask=in_bounds)
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def swap(x, y):
+    check_operands(x, y)
+    device = on_device_of(x)
+    n = x.numel()
+    if n == 0 or overlap(x, y) == "same":
+        return x, y
+    block = BLOCK_BYTES // x.element_size()
+    grid = (triton.cdiv(n, block),)
+    with device:
+        swap_kernel[grid](x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=NUM_WARPS)
+    return x, y
