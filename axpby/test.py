@@ -69,7 +69,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def entry_point(name):
-    """The implementation's axpby. CuTe's can be called without a GPU: it validates, then refuses."""
+    """The implementation's axpby. CuTe's runs without a GPU: it validates, then refuses."""
     if name == "cute" and cute_impl is None:
         pytest.skip(CUTE_MISSING)
     modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
