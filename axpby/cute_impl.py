@@ -1,0 +1,261 @@
+"""axpby in the CuTe DSL: y = alpha*x + beta*y.
+
+The math
+--------
+    y_i = round_to_dtype( fl32( fl32(alpha32 * x_i) + fl32(beta32 * y_i) ) )   for i = 0 .. n-1
+
+alpha and beta are rounded to float32 once, on the host (alpha32, beta32). Both elements are
+widened to float32 (exact), combined in float32 registers and rounded once, to nearest even,
+by the conversion back to the storage dtype before the store. The float32 products and sum
+round too, as the README's error bound accounts for; the compiler fuses alpha32*x_i and the
+add into one fma.rn.f32, which skips one of those roundings and so stays inside the bound.
+BLAS's corner semantics are compile-time variants of the one kernel: alpha32 == 0 means x is
+not loaded (y = beta*y), beta32 == 0 means y is not loaded (y = alpha*x), both zero store
+zeros without loading either, so NaN or infinity in an operand that is not read does not
+propagate. The kernel reads x and y and writes y, 3*n*s bytes (s = bytes per element); two
+multiplies and an add per element are nothing next to that: the time is bounded by
+3*n*s / (memory bandwidth).
+
+How the loop over i is mapped onto the GPU
+------------------------------------------
+* A block of 256 threads owns one tile of consecutive elements, 64 bytes per thread: 16 KiB
+  per block and operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
+* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
+  elements (one vector) in each row of 256 vectors: t's vectors start at elements t*v,
+  (256 + t)*v, (512 + t)*v, ... So on each load instruction the 32 threads of a warp touch 32
+  adjacent vectors, one contiguous run of memory (a coalesced access).
+* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors
+  (v = 4 float32 or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector,
+  four of them in flight per thread and operand. Anything else (a step other than 1, an
+  address off the 16-byte grid, x broadcast with step 0) compiles the very same kernel with
+  v = 1: one element per instruction, at any stride. Only the operands the variant touches
+  count: x is never loaded when alpha == 0, so its address does not matter then.
+* Every block but the last holds a full tile and updates it without a bounds check. The last
+  block may hang over the end of the vectors: it keeps the same thread-to-element map but
+  moves element by element, each guarded by a predicate (its coordinate, read from an
+  identity tensor, is < n), so any n works and nothing at or past index n is touched.
+* Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
+  integers, so every address computed from them is 64-bit.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import check_operands, to_float32
+
+# 256 threads = 8 warps: enough warps per block to hide latency, and blocks small enough that
+# the last, partial wave of blocks over the 132 SMs is short.
+THREADS_PER_BLOCK = 256
+# The widest load/store a thread can issue: 128 bits.
+VECTOR_BYTES = 16
+# Bytes each thread has in flight per operand: four 16-byte vectors. Memory latency is about a
+# microsecond, so ~4.8 TB/s needs a few MB in flight over the chip; at 8 blocks per SM this
+# gives 128 KiB per SM, several times that.
+BYTES_PER_THREAD = 4 * VECTOR_BYTES
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+@cute.jit
+def axpby_tile(
+    thread_copy,
+    x_tile,
+    y_tile,
+    alpha,
+    beta,
+    read_x: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+    in_bounds,
+):
+    """y <- alpha*x + beta*y on this thread's share of one tile (in_bounds None: all of it)."""
+    x_mine = thread_copy.partition_S(x_tile)
+    # y is read, then written: the universal copy's source and destination layouts are the
+    # same, so one partition serves both directions.
+    y_mine = thread_copy.partition_S(y_tile)
+    x_registers = cute.make_rmem_tensor_like(x_mine)
+    y_registers = cute.make_rmem_tensor_like(y_mine)
+    # A variant that does not read an operand has no load of it at all: the decision is
+    # taken while compiling, not by a branch on the GPU.
+    if cutlass.const_expr(read_x):
+        cute.copy(thread_copy, x_mine, x_registers, pred=in_bounds)
+        alpha_x = alpha * x_registers.load().to(cutlass.Float32)
+    if cutlass.const_expr(read_y):
+        cute.copy(thread_copy, y_mine, y_registers, pred=in_bounds)
+        beta_y = beta * y_registers.load().to(cutlass.Float32)
+    if cutlass.const_expr(read_x and read_y):
+        result = alpha_x + beta_y
+    elif cutlass.const_expr(read_x):
+        result = alpha_x
+    elif cutlass.const_expr(read_y):
+        result = beta_y
+    else:
+        result = cute.full_like(y_registers, 0.0, cutlass.Float32)
+    y_registers.store(result.to(y_registers.element_type))
+    cute.copy(thread_copy, y_registers, y_mine, pred=in_bounds)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, coord_tile, n):
+    """The predicate tensor: True where this thread's element has an index < n."""
+    coords = thread_copy.partition_S(coord_tile)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
+
+
+@cute.kernel
+def axpby_kernel(
+    x: cute.Tensor,
+    y: cute.Tensor,
+    n: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    vector_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+    tile_elems: cutlass.Constexpr[int],
+    read_x: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    # blockIdx is a 32-bit register: widen it before multiplying by the tile size, or the tile
+    # start wraps around for vectors of 2**32 elements and more.
+    block = cutlass.Int64(block_idx)
+    x_tile = cute.local_tile(x, (tile_elems,), (block,))
+    y_tile = cute.local_tile(y, (tile_elems,), (block,))
+    # n comes from its own 64-bit argument, never from x.shape: CuTe DSL 4.8.1 truncates a
+    # dynamic shape read back from a tensor to 32 bits.
+    if (block + 1) * tile_elems <= n:
+        thread_copy = vector_copy.get_slice(thread)
+        axpby_tile(thread_copy, x_tile, y_tile, alpha, beta, read_x, read_y, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coord_tile = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (block,))
+        in_bounds = in_bounds_mask(thread_copy, coord_tile, n)
+        axpby_tile(thread_copy, x_tile, y_tile, alpha, beta, read_x, read_y, in_bounds)
+
+
+def vector_layout(n, stride, vector_elems):
+    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
+    compile-time constant 1 (the stride argument is ignored): only a stride known when
+    compiling lets the compiler merge adjacent elements into one 128-bit access."""
+    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
+
+
+@cute.jit
+def launch_axpby(
+    x_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    n: cutlass.Int64,
+    x_stride: cutlass.Int64,
+    y_stride: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    vector_elems: cutlass.Constexpr[int],
+    read_x: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+):
+    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
+    # 16 bytes for a vector build, one element otherwise.
+    align = dtype.width // 8 * vector_elems
+    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
+    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
+    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+
+    # The TV layout: thread_layout sets the 256 threads side by side, value_layout gives each
+    # of them vector_elems adjacent elements. The tiled copy repeats this row of 256 vectors
+    # over the tile, so each thread ends up with vectors_per_thread vectors.
+    thread_layout = cute.make_layout(THREADS_PER_BLOCK)
+    value_layout = cute.make_layout(vector_elems)
+    vectors_per_thread = BYTES_PER_THREAD // (dtype.width // 8 * vector_elems)
+    tile_elems = THREADS_PER_BLOCK * vector_elems * vectors_per_thread
+    # One thread-to-element map, two instruction widths: a whole vector per access (full
+    # tiles), or one element per access, each under its own predicate (the last tile).
+    vector_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * vector_elems
+    )
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    vector_copy = cute.make_tiled_copy_tv(vector_atom, thread_layout, value_layout)
+    element_copy = cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout)
+
+    kernel = axpby_kernel(
+        x, y, n, alpha, beta, vector_copy, element_copy, tile_elems, read_x, read_y
+    )
+    kernel.launch(
+        grid=[cute.ceil_div(n, tile_elems), 1, 1],
+        block=[THREADS_PER_BLOCK, 1, 1],
+        stream=stream,
+    )
+
+
+def elements_per_access(dtype, vector_friendly):
+    """16 // element size for the vector build, 1 for the any-stride build."""
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def build(dtype, vector_elems, read_x, read_y, options=""):
+    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    if vector_elems not in (1, elements_per_access(dtype, True)):
+        raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    return cute.compile(
+        launch_axpby, 0, 0, 1, 1, 1, 1.0, 1.0, cute.runtime.make_fake_stream(),
+        TORCH_TO_CUTLASS[dtype], vector_elems, read_x, read_y, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, vector_elems, read_x, read_y):
+    """The compiled axpby for torch `dtype` moving `vector_elems` elements per access and
+    loading x only if read_x (alpha != 0), y only if read_y (beta != 0); built once (a
+    fraction of a second) and cached. Compiling needs no GPU."""
+    return build(dtype, vector_elems, read_x, read_y)
+
+
+def ptx_of(dtype, contiguous, read_x=True, read_y=True):
+    """The PTX of the vector build (contiguous=True) or of the any-stride build, for sm_90a
+    (H200): what the tests read to check for 128-bit loads and stores."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        vector_elems = elements_per_access(dtype, contiguous)
+        return build(dtype, vector_elems, read_x, read_y, options).__ptx__
+
+
+def is_vector_friendly(t):
+    """Adjacent elements (stride 1, or a single element) starting on a 16-byte boundary."""
+    return t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0
+
+
+def axpby(alpha, x, beta, y):
+    """y = alpha*x + beta*y for 1-D CUDA vectors of one dtype, in float32; returns y."""
+    check_operands(alpha, x, beta, y)
+    if y.device.type != "cuda":
+        raise ValueError(f"x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
+    n = y.numel()
+    if n == 0:
+        return y
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    read_x, read_y = alpha32 != 0.0, beta32 != 0.0
+    vector_friendly = is_vector_friendly(y) and (is_vector_friendly(x) or not read_x)
+    vector_elems = elements_per_access(y.dtype, vector_friendly)
+    # Launch on torch's current stream: ordered with the caller's torch work, capturable by a
+    # CUDA graph (call once before capturing: the first call loads the compiled module).
+    compile_kernel(y.dtype, vector_elems, read_x, read_y)(
+        x.data_ptr(), y.data_ptr(), n, x.stride(0), y.stride(0), alpha32, beta32,
+        cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
+    )  # fmt: skip
+    return y

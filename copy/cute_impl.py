@@ -1,0 +1,207 @@
+"""copy in the CuTe DSL: y = x.
+
+The math
+--------
+    y_i = x_i        for i = 0 .. n-1
+
+Nothing is computed and nothing is rounded, so y must equal x bit for bit. The kernel reads
+n*s bytes and writes n*s bytes (s = bytes per element); no arithmetic hides that traffic, so
+the time can never beat 2*n*s / (memory bandwidth). The lesson is how to move bytes at that
+speed, and how CuTe says "which thread moves which element" with layouts.
+
+How the loop over i is mapped onto the GPU
+------------------------------------------
+* A block of 256 threads owns one tile of consecutive elements, 64 bytes per thread: 16 KiB
+  per block whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
+* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
+  elements (one vector) in each row of 256 vectors: t's vectors start at elements t*v,
+  (256 + t)*v, (512 + t)*v, ... So on each load instruction the 32 threads of a warp touch 32
+  adjacent vectors, one contiguous run of memory (a coalesced access).
+* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors
+  (v = 4 float32 or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector,
+  four of them in flight per thread. Anything else (a step other than 1, an odd address, x
+  broadcast with step 0) compiles the very same kernel with v = 1: one element per
+  instruction, at any stride.
+* Every block but the last holds a full tile and copies it without a bounds check. The last
+  block may hang over the end of the vector: it keeps the same thread-to-element map but
+  copies element by element, each guarded by a predicate (its coordinate, read from an
+  identity tensor, is < n), so any n works and nothing at or past index n is touched.
+* Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
+  integers, so every address computed from them is 64-bit.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import check_operands, overlap
+
+# 256 threads = 8 warps: enough warps per block to hide latency, and blocks small enough that
+# the last, partial wave of blocks over the 132 SMs is short.
+THREADS_PER_BLOCK = 256
+# The widest load/store a thread can issue: 128 bits.
+VECTOR_BYTES = 16
+# Bytes each thread has in flight per operand: four 16-byte vectors. Memory latency is about a
+# microsecond, so ~4.8 TB/s needs a few MB in flight over the chip; at 8 blocks per SM this
+# gives 128 KiB per SM, several times that.
+BYTES_PER_THREAD = 4 * VECTOR_BYTES
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+@cute.jit
+def copy_tile(thread_copy, x_tile, y_tile, in_bounds):
+    """Move this thread's share of one tile x -> registers -> y (in_bounds None: all of it)."""
+    x_mine = thread_copy.partition_S(x_tile)
+    y_mine = thread_copy.partition_D(y_tile)
+    registers = cute.make_rmem_tensor_like(x_mine)
+    cute.copy(thread_copy, x_mine, registers, pred=in_bounds)
+    cute.copy(thread_copy, registers, y_mine, pred=in_bounds)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, coord_tile, n):
+    """The predicate tensor: True where this thread's element has an index < n."""
+    coords = thread_copy.partition_S(coord_tile)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
+
+
+@cute.kernel
+def copy_kernel(
+    x: cute.Tensor,
+    y: cute.Tensor,
+    n: cutlass.Int64,
+    vector_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+    tile_elems: cutlass.Constexpr[int],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    # blockIdx is a 32-bit register: widen it before multiplying by the tile size, or the tile
+    # start wraps around for vectors of 2**32 elements and more.
+    block = cutlass.Int64(block_idx)
+    x_tile = cute.local_tile(x, (tile_elems,), (block,))
+    y_tile = cute.local_tile(y, (tile_elems,), (block,))
+    # n comes from its own 64-bit argument, never from x.shape: CuTe DSL 4.8.1 truncates a
+    # dynamic shape read back from a tensor to 32 bits.
+    if (block + 1) * tile_elems <= n:
+        copy_tile(vector_copy.get_slice(thread), x_tile, y_tile, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coord_tile = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (block,))
+        copy_tile(thread_copy, x_tile, y_tile, in_bounds_mask(thread_copy, coord_tile, n))
+
+
+def vector_layout(n, stride, vector_elems):
+    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
+    compile-time constant 1 (the stride argument is ignored): only a stride known when
+    compiling lets the compiler merge adjacent elements into one 128-bit access."""
+    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
+
+
+@cute.jit
+def launch_copy(
+    x_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    n: cutlass.Int64,
+    x_stride: cutlass.Int64,
+    y_stride: cutlass.Int64,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    vector_elems: cutlass.Constexpr[int],
+):
+    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
+    # 16 bytes for a vector build, one element otherwise.
+    align = dtype.width // 8 * vector_elems
+    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
+    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
+    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+
+    # The TV layout: thread_layout sets the 256 threads side by side, value_layout gives each
+    # of them vector_elems adjacent elements. The tiled copy repeats this row of 256 vectors
+    # over the tile, so each thread ends up with vectors_per_thread vectors.
+    thread_layout = cute.make_layout(THREADS_PER_BLOCK)
+    value_layout = cute.make_layout(vector_elems)
+    vectors_per_thread = BYTES_PER_THREAD // (dtype.width // 8 * vector_elems)
+    tile_elems = THREADS_PER_BLOCK * vector_elems * vectors_per_thread
+    # One thread-to-element map, two instruction widths: a whole vector per access (full
+    # tiles), or one element per access, each under its own predicate (the last tile).
+    vector_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * vector_elems
+    )
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    vector_copy = cute.make_tiled_copy_tv(vector_atom, thread_layout, value_layout)
+    element_copy = cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout)
+
+    copy_kernel(x, y, n, vector_copy, element_copy, tile_elems).launch(
+        grid=[cute.ceil_div(n, tile_elems), 1, 1],
+        block=[THREADS_PER_BLOCK, 1, 1],
+        stream=stream,
+    )
+
+
+def elements_per_access(dtype, vector_friendly):
+    """16 // element size for the vector build, 1 for the any-stride build."""
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def build(dtype, vector_elems, options=""):
+    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    if vector_elems not in (1, elements_per_access(dtype, True)):
+        raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    return cute.compile(
+        launch_copy, 0, 0, 1, 1, 1, cute.runtime.make_fake_stream(),
+        TORCH_TO_CUTLASS[dtype], vector_elems, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, vector_elems):
+    """The compiled copy for torch `dtype` moving `vector_elems` elements per access, built
+    once (a fraction of a second) and cached. Compiling needs no GPU."""
+    return build(dtype, vector_elems)
+
+
+def ptx_of(dtype, contiguous):
+    """The PTX of the vector build (contiguous=True) or of the any-stride build, for sm_90a
+    (H200): what the tests read to check for 128-bit loads and stores."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(dtype, elements_per_access(dtype, contiguous), options).__ptx__
+
+
+def is_vector_friendly(t):
+    """Adjacent elements (stride 1, or a single element) starting on a 16-byte boundary."""
+    return t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0
+
+
+def copy(x, y):
+    """y = x for 1-D CUDA vectors of one dtype; returns y."""
+    check_operands(x, y)
+    if y.device.type != "cuda":
+        raise ValueError(f"x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
+    n = y.numel()
+    if n == 0 or overlap(x, y) == "same":
+        return y
+    vector_elems = elements_per_access(y.dtype, is_vector_friendly(x) and is_vector_friendly(y))
+    # Launch on torch's current stream: ordered with the caller's torch work, capturable by a
+    # CUDA graph (call once before capturing: the first call loads the compiled module).
+    compile_kernel(y.dtype, vector_elems)(
+        x.data_ptr(), y.data_ptr(), n, x.stride(0), y.stride(0),
+        cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
+    )  # fmt: skip
+    return y
