@@ -11,21 +11,20 @@ by the same thread, so no thread ever waits for another: no barrier, no temporar
 
 How the loop over i is mapped onto the GPU
 ------------------------------------------
-* A block of 256 threads owns one tile of consecutive elements, 64 bytes per thread: 16 KiB
-  per block whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
+* A block of 128 threads owns one tile of consecutive elements, 32 bytes per thread: 4 KiB per
+  operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
 * Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
-  elements (one vector) in each row of 256 vectors: t's vectors start at elements t*v,
-  (256 + t)*v, (512 + t)*v, ... So on each load instruction the 32 threads of a warp touch 32
-  adjacent vectors, one contiguous run of memory (a coalesced access).
-* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors
-  (v = 4 float32 or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector,
-  four of them in flight per thread and operand. Anything else (a step other than 1, an
-  address off the 16-byte grid) compiles the very same kernel with v = 1: one element per
-  instruction, at any stride.
-* Every block but the last holds a full tile and swaps it without a bounds check. The last
-  block may hang over the end of the vectors: it keeps the same thread-to-element map but
-  swaps element by element, each guarded by a predicate (its coordinate, read from an
-  identity tensor, is < n), so any n works and nothing at or past index n is touched.
+  elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
+  elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
+  touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
+* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors (v = 4 float32
+  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, two per thread
+  and operand in flight. Anything else (a step other than 1, an address off the 16-byte grid)
+  compiles the very same kernel with v = 1: one element per instruction, at any stride.
+* Every block but the last holds a full tile and swaps it without a bounds check. The last block
+  may hang over the end of the vectors: it keeps the same thread-to-element map but swaps
+  element by element, each guarded by a predicate (its coordinate, read from an identity tensor,
+  is < n), so any n works and nothing at or past index n is touched.
 * Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
   integers, so every address computed from them is 64-bit.
 """
@@ -40,15 +39,12 @@ import torch
 
 from reference import check_operands, overlap
 
-# 256 threads = 8 warps: enough warps per block to hide latency, and blocks small enough that
-# the last, partial wave of blocks over the 132 SMs is short.
-THREADS_PER_BLOCK = 256
+THREADS_PER_BLOCK = 128
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread has in flight per operand: four 16-byte vectors, eight for x and y. Memory
-# latency is about a microsecond, so ~4.8 TB/s needs a few MB in flight over the chip; at 8
-# blocks per SM this gives 256 KiB per SM, several times that.
-BYTES_PER_THREAD = 4 * VECTOR_BYTES
+# Bytes each thread moves per operand, and so the tile (128 threads x 32 bytes = 4 KiB): swap
+# is touchy, see README.md; measured on the H200 at n = 2**28 this beat 256 x 64 bytes.
+BYTES_PER_THREAD = 2 * VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -134,8 +130,8 @@ def launch_swap(
     x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
     y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
 
-    # The TV layout: thread_layout sets the 256 threads side by side, value_layout gives each
-    # of them vector_elems adjacent elements. The tiled copy repeats this row of 256 vectors
+    # The TV layout: thread_layout sets the threads side by side, value_layout gives each
+    # of them vector_elems adjacent elements. The tiled copy repeats this row of vectors
     # over the tile, so each thread ends up with vectors_per_thread vectors.
     thread_layout = cute.make_layout(THREADS_PER_BLOCK)
     value_layout = cute.make_layout(vector_elems)

@@ -17,9 +17,10 @@ import triton.language as tl
 
 from reference import check_operands, overlap
 
-# 16 KiB per operand per program: with 4 warps each thread moves 128 bytes of each vector, eight
-# 16-byte loads in flight per operand, enough to cover DRAM latency.
-BLOCK_BYTES = 16384
+# 4 KiB per operand per program over 4 warps: two 16-byte vectors of x and two of y per thread.
+# swap is touchy: measured on the H200 at n = 2**28 this gives 4.15 TB/s, 8 KiB over 8 warps
+# 3.97, 8 KiB over 4 warps only 1.79. (The cause is not established; see README.md.)
+BLOCK_BYTES = 4096
 NUM_WARPS = 4
 
 

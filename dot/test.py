@@ -1,0 +1,369 @@
+"""Tests for dot: every implementation lands within the bound README.md derives.
+
+Run with `python test.py` (or `nox -s dot` from the top). Without a GPU, torch runs on the CPU
+and Triton under its interpreter; launching a CuTe kernel needs the GPU, and those tests say so
+when they skip.
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import (
+    assert_matches_rounded,
+    assert_same_bits,
+    assert_within_bound,
+    gamma,
+    store_roundoff,
+    underflow,
+    unit_roundoff,
+)
+
+try:
+    import cute_impl
+except ImportError as error:  # no cute_impl.py yet, or no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+# 0, 1, primes, 2**k +- 1 and the edges of the Triton block (4096 elements).
+SIZES = [0, 1, 2, 3, 7, 31, 127, 128, 129, 1023, 1025, 4095, 4096, 4097, 8191, 8193, 65537]
+U32 = unit_roundoff(torch.float32)
+
+
+def convert_bfloat16_like_the_gpu():
+    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
+    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
+    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
+    or the CPU run would check the wrong arithmetic."""
+    from triton.runtime import interpreter
+
+    tl, convert = interpreter.tl, interpreter._convert_float
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
+def index_scalars_with_item():
+    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
+    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
+    over runtime bounds, such as pass 1's `range(chunk_start, ...)`, fails. Use .item()."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    interpreter._patch_lang_tensor = patch_with_item
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    convert_bfloat16_like_the_gpu()
+    index_scalars_with_item()
+
+
+def entry_point(name):
+    """The implementation's dot. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl.dot if name == "cute" else modules[name].dot
+
+
+def implementation(name):
+    """The implementation's dot, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU")
+    return entry_point(name)
+
+
+def random_vector(n, dtype, step=1):
+    return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def triton_roundings(n, dtype):
+    """README.md's k(n): the most roundings on one product's way through triton_impl's tree.
+
+    One for the product of two float32 numbers (none for 16-bit data, whose products are exact
+    in float32), one per further block added into a lane, log2(BLOCK) levels of the in-program
+    tree and ceil(log2(programs)) levels of pass 2. Read from triton_impl at each call, so a
+    test that changes MAX_PROGRAMS gets the bound of the tree it runs."""
+    blocks = math.ceil(n / triton_impl.BLOCK)
+    blocks_per_program = math.ceil(blocks / min(blocks, triton_impl.MAX_PROGRAMS))
+    programs = math.ceil(blocks / blocks_per_program)
+    product = 1 if dtype == torch.float32 else 0
+    tree = int(math.log2(triton_impl.BLOCK)) + math.ceil(math.log2(programs))
+    return product + (blocks_per_program - 1) + tree
+
+
+def error_bound(impl, x, y, exact):
+    """README.md's bound, |z_hat - z| <= u_s|z| + (1 + u_s)(g T + (1 + g) n e) + e_s.
+
+    g = gamma_k of float32 with k roundings per term, T = sum |x_i y_i|, u_s the store's unit
+    roundoff (0 for float32), e and e_s the absolute error of a float32 and of a storing
+    rounding among the subnormals. k is triton_roundings for the Triton kernel; torch.dot adds
+    in the BLAS's own undocumented order, so for it only what holds for every order of float32
+    additions: a product rounding and at most n - 1 additions per term, k = n. Any other
+    implementation is held to the Triton tree's bound until its README derives its own."""
+    n, dtype = x.numel(), x.dtype
+    g = gamma(n if impl == "torch" else triton_roundings(n, dtype), U32) if n else 0.0
+    total = (x.cpu().double() * y.cpu().double()).abs().sum()  # products are exact in float64
+    u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
+    return u_s * exact.abs() + (1 + u_s) * (g * total + (1 + g) * n * e) + e_s
+
+
+def assert_within(z, exact, bound, what="result"):
+    """assert_within_bound on 0-dim tensors, viewed as one element each."""
+    assert_within_bound(z.reshape(1), exact.reshape(1), bound.reshape(1), what)
+
+
+def check(impl, x, y):
+    """Run impl on (x, y): a 0-dim result of x's dtype on x's device, within the bound."""
+    exact = reference.dot(x.cpu(), y.cpu())
+    z = implementation(impl)(x, y)
+    assert z.shape == () and z.dtype == x.dtype and z.device == x.device
+    assert_within(z, exact, error_bound(impl, x, y, exact), impl)
+    return z
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference(impl, dtype, n):
+    check(impl, random_vector(n, dtype), random_vector(n, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [3 * 4096 - 1, 3 * 4096 + 1, 7 * 4096 + 5, 40000])
+def test_many_blocks_per_program(dtype, n, monkeypatch):
+    """With at most 3 programs, each lane adds up to 4 blocks in series: the path the H200
+    takes for n beyond MAX_PROGRAMS * BLOCK (2.2 million), at sizes the interpreter can run."""
+    monkeypatch.setattr(triton_impl, "MAX_PROGRAMS", 3)
+    check("triton", random_vector(n, dtype), random_vector(n, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_more_blocks_than_max_programs(dtype):
+    """The real MAX_PROGRAMS, one element past what it covers with a block each: two blocks per
+    program and a pass 2 over 265 partials."""
+    n = triton_impl.MAX_PROGRAMS * triton_impl.BLOCK + 1
+    check("triton", random_vector(n, dtype), random_vector(n, dtype))
+
+
+def operand(n, dtype, step, margin=64):
+    """n random values with the given step, inside a NaN-filled buffer: reading any element that
+    is not part of the vector makes z NaN. Step 0 broadcasts one value."""
+    if step == 0:
+        return random_vector(1, dtype).expand(n)
+    buffer = torch.full((2 * margin + n * step,), float("nan"), device=DEVICE, dtype=dtype)
+    view = buffer[margin : margin + n * step : step]
+    view.copy_(random_vector(n, dtype))
+    return view
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step_x, step_y", [(3, 1), (1, 2), (5, 7), (0, 1), (1, 0), (0, 0)])
+def test_strided_inside_guard(impl, dtype, step_x, step_y):
+    """Strided and stride-0 operands, each a view into NaN: nothing outside them is read."""
+    n = 8193
+    check(impl, operand(n, dtype, step_x), operand(n, dtype, step_y))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_overlapping_operands(impl):
+    """x and y are only read: the same vector (a sum of squares) or overlapping views are fine."""
+    buffer = random_vector(10001, torch.float32)
+    check(impl, buffer[:10000], buffer[:10000])
+    check(impl, buffer[:10000], buffer[1:])
+
+
+def special_case(name, dtype):
+    """(x, y) of 5000 random values with special values planted in the second block."""
+    x, y = random_vector(5000, dtype), random_vector(5000, dtype)
+    values = {
+        "nan": ([float("nan")], [1.0]),
+        "inf": ([float("inf")], [1.0]),
+        "inf-inf": ([float("inf"), -float("inf")], [1.0, 1.0]),
+        "inf*0": ([float("inf")], [0.0]),
+        "subnormal": ([torch.finfo(dtype).tiny / 4] * 3, [0.5, -3.0, torch.finfo(dtype).tiny]),
+    }
+    planted_x, planted_y = values[name]
+    at = slice(4100, 4100 + len(planted_x))
+    x[at] = torch.tensor(planted_x, dtype=dtype, device=DEVICE)
+    y[at] = torch.tensor(planted_y, dtype=dtype, device=DEVICE)
+    return x, y
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["nan", "inf", "inf-inf", "inf*0", "subnormal"])
+def test_special_values(impl, dtype, case):
+    """NaN and infinities propagate as IEEE says (the exact result must come back exactly);
+    subnormal products stay within the bound's underflow term."""
+    check(impl, *special_case(case, dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulates_in_float32(impl, dtype):
+    """One 1 and 4095 terms of a quarter ulp of 1: a 16-bit accumulator rounds every addition
+    back to 1, while float32 holds each partial sum exactly (a multiple of the term below 2**4),
+    so z must be the exact sum rounded once. This is the measurement behind torch_impl's claim."""
+    n, term = 4096, torch.finfo(dtype).eps / 4
+    x = torch.full((n,), term, device=DEVICE, dtype=dtype)
+    x[0] = 1.0
+    z = implementation(impl)(x, torch.ones_like(x))
+    assert_matches_rounded(z.reshape(1).cpu(), torch.tensor([1 + (n - 1) * term]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeatability(impl, dtype):
+    """Two runs on the same inputs give the same bits: the reduction tree depends only on n."""
+    dot = implementation(impl)
+    x, y = random_vector(65537, dtype), random_vector(65537, dtype)
+    assert_same_bits(dot(x, y).reshape(1), dot(x, y).reshape(1))
+
+
+def test_empty_launches_nothing(monkeypatch):
+    """n = 0 returns the empty sum without touching either kernel."""
+    monkeypatch.setattr(triton_impl, "partial_dots_kernel", None)
+    monkeypatch.setattr(triton_impl, "sum_partials_kernel", None)
+    empty = torch.empty(0, device=DEVICE, dtype=torch.bfloat16)
+    assert_same_bits(triton_impl.dot(empty, empty), torch.zeros((), dtype=torch.bfloat16))
+
+
+def bad_inputs():
+    """(x, y, expected error, words the message must contain)"""
+    f32 = lambda n: torch.randn(n, device=DEVICE)  # noqa: E731
+    yield [1.0, 2.0], f32(2), TypeError, "x must be a torch.Tensor"
+    yield f32(2), 3.0, TypeError, "y must be a torch.Tensor"
+    yield f32(4).reshape(2, 2), f32(4), ValueError, "x must be a 1-D"
+    yield f32(1), f32(1)[0], ValueError, "y must be a 1-D"
+    yield f32(4), f32(5), ValueError, "5 elements"
+    yield f32(4).double(), f32(4).double(), TypeError, "supported"
+    yield f32(4).to(torch.int32), f32(4).to(torch.int32), TypeError, "supported"
+    yield f32(4), f32(4).half(), TypeError, "does not convert"
+    if ON_GPU:
+        yield f32(4), torch.randn(4), ValueError, "is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, the first thing every implementation calls."""
+    x, y, error, words = case
+    with pytest.raises(error, match=words):
+        entry_point(impl)(x, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_controls(dtype):
+    """At n = 2**20 the Triton bound rejects a result that dropped or doubled one term (the
+    largest, so that the bug is bigger than the rounding it hides in), which the serial bound
+    gamma_n, the only one torch.dot's unknown order allows, would let through."""
+    n = 2**20
+    x, y = random_vector(n, dtype).cpu(), random_vector(n, dtype).cpu()
+    exact = reference.dot(x, y)
+    largest = (x.double() * y.double()).abs().argmax()
+    term = x[largest].double() * y[largest].double()
+    tree_bound, serial_bound = error_bound("triton", x, y, exact), error_bound("torch", x, y, exact)
+    for wrong in (exact - term, exact + term):
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within(wrong.to(dtype), exact, tree_bound)
+        assert_within(wrong.to(dtype), exact, serial_bound)
+
+
+def test_tree_bound_is_far_below_serial():
+    """k(n) grows like n / (MAX_PROGRAMS * BLOCK) instead of n: at 2**28 float32 elements the
+    serial bound is void (n u >= 1) while the tree's k is 147."""
+    for n in [2**20, 2**24, 2**28, 2**31 + 5]:
+        assert triton_roundings(n, torch.float32) < n / 1000
+    assert triton_roundings(2**28, torch.float32) == 1 + 124 + 12 + 10
+    assert gamma(triton_roundings(2**28, torch.float32), U32) < 1e-5
+    with pytest.raises(ValueError, match="unbounded"):
+        gamma(2**28, U32)  # the serial bound
+
+
+def float64_dot_in_chunks(x, y, chunk=2**26):
+    """The stand-in for reference.dot where Python is too slow: float64 products (exact) summed
+    by torch in float64, chunk by chunk so that the float64 copies stay small."""
+    partials = [
+        (x[s : s + chunk].double() * y[s : s + chunk].double()).sum()
+        for s in range(0, x.numel(), chunk)
+    ]
+    return torch.stack(partials).sum().cpu() if partials else torch.zeros((), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, 100003])
+def test_stand_in_matches_reference(n):
+    """float64_dot_in_chunks agrees with reference.dot within float64's own serial bound."""
+    x, y = random_vector(n, torch.bfloat16), random_vector(n, torch.bfloat16)
+    exact = reference.dot(x.cpu(), y.cpu())
+    stand_in = float64_dot_in_chunks(x, y, chunk=4096)
+    total = (x.cpu().double() * y.cpu().double()).abs().sum()
+    bound = gamma(n, unit_roundoff(torch.float64)) * total
+    assert_within(stand_in, exact, bound)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (8 GiB of data)")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_more_than_2_to_31_elements(impl):
+    """Offsets past 2**31 elements: a 32-bit index would wrap. Every 256th x_i is +-1 and the
+    last five are +-4096, the rest 0, and y_i = +-1. Then every partial sum of any order is an
+    integer below 2**24, which float32 holds exactly: the only rounding left is the store, so
+    the result must be the stand-in's exact z rounded to bfloat16, and a wrapped index, which
+    would lose or repeat the +-4096 terms past 2**31, cannot hide."""
+    n, dtype = 2**31 + 5, torch.bfloat16
+
+    def signs(m):
+        return (torch.randint(0, 2, (m,), device=DEVICE, dtype=torch.int8) * 2 - 1).to(dtype)
+
+    x, y = torch.zeros(n, device=DEVICE, dtype=dtype), signs(n)
+    x[::256] = signs(x[::256].numel())
+    x[-5:] = 4096 * signs(5)
+    exact = float64_dot_in_chunks(x, y)
+    z = implementation(impl)(x, y)
+    assert_matches_rounded(z.reshape(1).cpu(), exact.reshape(1))
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+                *sys.argv[1:],
+            ]
+        )
+    )

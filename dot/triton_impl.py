@@ -1,0 +1,127 @@
+"""dot: z = x^T y as two Triton kernels with a fixed reduction tree.
+
+    z = sum_i x_i y_i
+
+A sum over the whole vector needs the work of every program to meet somewhere. Atomics would let
+programs add their pieces into z in the order they happen to finish, a different rounding on
+every run. Here the meeting place is a small buffer instead, and every addition is fixed by n:
+
+pass 1  `partial_dots_kernel`: program p owns one contiguous chunk of m blocks of BLOCK
+        elements (`split` picks m from n). It keeps BLOCK float32 sums (lanes) side by side:
+        step s adds the products of block s into them, lane j getting x_i y_i for the i at
+        position j of each block. The lanes are independent sums, so a block's additions run
+        side by side instead of in one chain. At the end `pairwise_sum` folds the BLOCK lanes
+        into one partial sum, stored at partials[p].
+pass 2  `sum_partials_kernel`: one program folds the partials the same way, rounds the float32
+        total once to the dtype of x and y, and stores z.
+
+README.md counts the roundings on each product's way through this tree; that count is the
+error bound the tests check.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands
+
+# 4096 lanes over 8 warps: each thread owns 16 lanes, so a block is four 16-byte loads per
+# thread of float32 (two of 16-bit data) for each operand, and the lanes stay in registers.
+BLOCK = 4096
+NUM_WARPS = 8
+# The H200 has 132 SMs; four programs per SM keep enough loads in flight to stream from DRAM.
+# A constant rather than the device's SM count, so the reduction tree, and with it the bits of
+# z, depend only on n.
+MAX_PROGRAMS = 4 * 132
+
+
+@triton.jit
+def pairwise_sum(values, LEVELS: tl.constexpr):
+    """The sum of 2**LEVELS float32 values: add neighbours in pairs, LEVELS times, so that each
+    value passes through exactly LEVELS additions, on the GPU and in the interpreter alike. A
+    sum of two values is one addition however it is lowered; tl.sum of the whole block would
+    leave the tree to the compiler's layout and version (and to numpy in the interpreter), and
+    the error bound needs to know it."""
+    for _ in tl.static_range(LEVELS):
+        values = tl.sum(tl.reshape(values, [values.shape[0] // 2, 2]), axis=1)
+    return tl.sum(values, axis=0)  # a single value is left: this adds nothing
+
+
+@triton.jit
+def partial_dots_kernel(
+    x_ptr, y_ptr, partials_ptr, n, stride_x, stride_y, chunk,
+    BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: n may pass 2**31
+    chunk_start = pid * chunk
+    chunk_stop = tl.minimum(chunk_start + chunk, n)
+    full_blocks_stop = tl.minimum(chunk_stop, n // BLOCK * BLOCK)
+    lanes = tl.zeros([BLOCK], dtype=tl.float32)
+    # Widening 16-bit data to float32 is exact, and so is the product of two widened values
+    # (8+8 or 11+11 significant bits fit in float32's 24). On the GPU the compiler fuses each
+    # multiply and add into one FMA, one rounding instead of two.
+    #
+    # Full blocks load without a mask: the compiler vectorises a masked load only as far as it
+    # can prove the mask constant, which `offs < n` is not unless n is a multiple of 16. So only
+    # the vector's last block, when partial, pays for the mask (its lanes past n add 0).
+    for block_start in range(chunk_start, full_blocks_stop, BLOCK):
+        offs = block_start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs * stride_x).to(tl.float32)
+        y = tl.load(y_ptr + offs * stride_y).to(tl.float32)
+        lanes += x * y
+    if full_blocks_stop < chunk_stop:
+        offs = full_blocks_stop + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs * stride_x, mask=offs < n, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + offs * stride_y, mask=offs < n, other=0.0).to(tl.float32)
+        lanes += x * y
+    tl.store(partials_ptr + pid, pairwise_sum(lanes, LOG2_BLOCK))
+
+
+@triton.jit
+def sum_partials_kernel(partials_ptr, z_ptr, num_partials, LOG2_PARTIALS: tl.constexpr):
+    offs = tl.arange(0, 2**LOG2_PARTIALS)
+    # Padding to a power of two with zeros: x + 0 is exact, so the padding adds no rounding.
+    partials = tl.load(partials_ptr + offs, mask=offs < num_partials, other=0.0)
+    tl.store(z_ptr, pairwise_sum(partials, LOG2_PARTIALS).to(z_ptr.dtype.element_ty))
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def split(n):
+    """(programs, blocks per program) of pass 1 for a vector of n > 0 elements: as few blocks
+    per program as MAX_PROGRAMS allows, then only as many programs as those blocks need."""
+    blocks = triton.cdiv(n, BLOCK)
+    blocks_per_program = triton.cdiv(blocks, min(blocks, MAX_PROGRAMS))
+    return triton.cdiv(blocks, blocks_per_program), blocks_per_program
+
+
+def dot(x, y):
+    check_operands(x, y)
+    device = on_device_of(x)
+    n = x.numel()
+    if n == 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)  # the empty sum
+    programs, blocks_per_program = split(n)
+    z = torch.empty((), dtype=x.dtype, device=x.device)
+    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+    with device:
+        partial_dots_kernel[(programs,)](
+            x, y, partials, n, x.stride(0), y.stride(0), blocks_per_program * BLOCK,
+            BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        sum_partials_kernel[(1,)](
+            partials, z, programs, LOG2_PARTIALS=(programs - 1).bit_length(), num_warps=NUM_WARPS
+        )
+    return z
