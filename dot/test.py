@@ -121,6 +121,21 @@ def triton_roundings(n, dtype):
     return product + (blocks_per_program - 1) + tree
 
 
+def cute_roundings(n, dtype):
+    """README.md's k_cute(n): the most roundings on one product's way through cute_impl's tree.
+
+    One for the product of two float32 numbers (none for 16-bit data), one per further tile
+    added into a thread's lane, log2(LANES_PER_THREAD) levels inside the thread, log2(32)
+    shuffle levels and log2(WARPS_PER_BLOCK) across the warps; in pass 2 one per further
+    partial added by a thread, then the same shuffle and cross-warp levels again."""
+    blocks, tiles_per_block = cute_impl.split(n)
+    product = 1 if dtype == torch.float32 else 0
+    block_tree = int(math.log2(cute_impl.WARP_SIZE * cute_impl.WARPS_PER_BLOCK))
+    pass_1 = (tiles_per_block - 1) + int(math.log2(cute_impl.LANES_PER_THREAD)) + block_tree
+    pass_2 = (math.ceil(blocks / cute_impl.THREADS_PER_BLOCK) - 1) + block_tree
+    return product + pass_1 + pass_2
+
+
 def error_bound(impl, x, y, exact):
     """README.md's bound, |z_hat - z| <= u_s|z| + (1 + u_s)(g T + (1 + g) n e) + e_s.
 
@@ -128,10 +143,11 @@ def error_bound(impl, x, y, exact):
     roundoff (0 for float32), e and e_s the absolute error of a float32 and of a storing
     rounding among the subnormals. k is triton_roundings for the Triton kernel; torch.dot adds
     in the BLAS's own undocumented order, so for it only what holds for every order of float32
-    additions: a product rounding and at most n - 1 additions per term, k = n. Any other
-    implementation is held to the Triton tree's bound until its README derives its own."""
+    additions: a product rounding and at most n - 1 additions per term, k = n. For the CuTe
+    kernel k is cute_roundings, counted on its own tree."""
     n, dtype = x.numel(), x.dtype
-    g = gamma(n if impl == "torch" else triton_roundings(n, dtype), U32) if n else 0.0
+    tree_roundings = cute_roundings if impl == "cute" else triton_roundings
+    g = gamma(n if impl == "torch" else tree_roundings(n, dtype), U32) if n else 0.0
     total = (x.cpu().double() * y.cpu().double()).abs().sum()  # products are exact in float64
     u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
     return u_s * exact.abs() + (1 + u_s) * (g * total + (1 + g) * n * e) + e_s
@@ -306,9 +322,19 @@ def test_tree_bound_is_far_below_serial():
     for n in [2**20, 2**24, 2**28, 2**31 + 5]:
         assert triton_roundings(n, torch.float32) < n / 1000
     assert triton_roundings(2**28, torch.float32) == 1 + 248 + 11 + 10
-    assert gamma(triton_roundings(2**28, torch.float32), U32) < 1e-5
+    assert gamma(triton_roundings(2**28, torch.float32), U32) < 2e-5
     with pytest.raises(ValueError, match="unbounded"):
         gamma(2**28, U32)  # the serial bound
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernels build for sm_90a with 128-bit vector loads on the fast path (none in
+    the any-stride build) and the warp-shuffle reduction README.md counts."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "ld.global.v4" not in scalar
+    assert "shfl.sync.bfly" in vector and "shfl.sync.bfly" in scalar
 
 
 def float64_dot_in_chunks(x, y, chunk=2**26):

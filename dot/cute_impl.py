@@ -1,0 +1,330 @@
+"""dot in the CuTe DSL: z = x^T y as two kernels with a fixed reduction tree.
+
+The math
+--------
+    z = sum_{i=0}^{n-1} x_i y_i
+
+Each x_i and y_i is widened to float32 (exact), multiplied and added in float32, and the float32
+total is rounded once to the inputs' dtype. Floating-point addition is not associative, so the
+order of the additions is part of the answer: here it is fixed by n alone (no atomics, nothing
+that depends on which block finishes first or on the device), so every run gives the same
+bits, and README.md can count the roundings on each product's way to z. The kernels read
+2*n*s bytes (s = bytes per element) and write one number: the time is bounded by
+2*n*s / (memory bandwidth), as for copy.
+
+How the sum is mapped onto the GPU
+----------------------------------
+The vector is cut into tiles of TILE_ELEMS = 4096 elements, and the tiles into chunks of
+`tiles_per_block` consecutive tiles, one chunk per block (`split`). A block has 256 threads.
+
+pass 1  `partial_dots_kernel`, one block per chunk, at most MAX_BLOCKS blocks:
+  * registers: thread t owns the same 16 positions of every tile (its lanes) and keeps one
+    float32 running sum per lane. For each tile of its chunk it loads its 16 elements of x and
+    of y and adds x_i * y_i into the lane's sum (one FMA per element, 16 independent chains).
+  * in-thread tree: the 16 lane sums are added in pairs, 16 -> 8 -> 4 -> 2 -> 1 (4 levels).
+  * warp tree: the 32 threads of a warp swap registers with shuffles, shfl.sync.bfly with
+    offsets 16, 8, 4, 2, 1 (5 levels): after level j each thread holds the sum of a group of
+    2**j threads, and after the last every thread holds the warp's sum.
+  * block tree: registers are private to a warp, so the 8 warp sums meet in shared memory;
+    after a barrier each warp reads them back and adds them with 3 more shuffle levels.
+  * thread 0 stores the block's sum, partials[block], in a float32 buffer.
+pass 2  `sum_partials_kernel`, one block: thread t adds partials t, t + 256, ... in order (at
+  most ceil(528 / 256) = 3 of them), then the same warp and block trees; thread 0 rounds the
+  float32 total to the dtype and stores z.
+
+Which thread loads which element is a thread-value (TV) layout, as in copy/cute_impl.py:
+thread t owns v adjacent elements (v = 16 bytes / element size: 4 float32 or 8 float16 and
+bfloat16 elements) in each row of 256 * v elements, so on each load instruction the 32 threads
+of a warp touch 32 adjacent 16-byte vectors, one contiguous run of memory. A tile holds
+16 / v such rows: 4 vectors per thread and operand for float32, 2 for 16-bit data, all loaded
+before the first FMA, so that 8 or 4 loads per thread are in flight at once.
+
+* Contiguous operands whose addresses are 16-byte aligned are loaded as 16-byte vectors (one
+  ld.global.v4 each). Anything else (a step other than 1, an odd address, stride 0) compiles
+  the same kernel with 1-element accesses. The TV layout is the same in both builds, so lane
+  j of thread t sums the same elements and the result has the same bits whatever the strides.
+* Every tile but the vector's last is loaded without a bounds check. The last tile, when
+  partial, keeps the same layout but loads element by element, each under a predicate (its
+  index, read from an identity tensor, is < n); registers it does not load hold 0 and add
+  nothing (x + 0 is exact).
+* Indices reach 2**31 and beyond: n, the strides and the tile index are 64-bit integers, so
+  every address computed from them is 64-bit.
+"""
+
+import functools
+import math
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import check_operands
+
+# 256 threads = 8 warps per block.
+THREADS_PER_BLOCK = 256
+WARP_SIZE = 32
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
+# The widest load a thread can issue: 128 bits.
+VECTOR_BYTES = 16
+# Float32 running sums per thread. 16 lanes are four 16-byte vectors of float32 per operand and
+# tile (two of 16-bit data): enough loads in flight per thread to stream from DRAM, in about 40
+# registers, so four blocks fit on an SM (64 registers per thread at 1024 threads).
+LANES_PER_THREAD = 16
+TILE_ELEMS = THREADS_PER_BLOCK * LANES_PER_THREAD  # 4096
+# The H200 has 132 SMs: four blocks per SM, all resident at once. A constant rather than the
+# device's SM count, so that the reduction tree, and with it the bits of z, depend on n only.
+MAX_BLOCKS = 4 * 132
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+def pairwise_sum(values):
+    """The sum of a power-of-two list of float32 registers, adding neighbours in pairs. Plain
+    Python, run while the kernel is traced: it emits the log2(len) levels of additions."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def butterfly_sum(value, width: cutlass.Constexpr[int]):
+    """Sum `value` over each aligned group of `width` lanes of a warp, log2(width) levels.
+
+    At the level with offset o, lane l adds the value of lane l ^ o (shfl.sync.bfly): both
+    partners compute the same sum (a + b = b + a exactly), so after the last level every lane
+    of the group holds the group's sum, built by the same tree."""
+    offset = width // 2
+    for _ in cutlass.range_constexpr(int(math.log2(width))):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+        offset //= 2
+    return value
+
+
+@cute.jit
+def block_sum(value):
+    """The sum of `value` over the 256 threads of the block, in every thread: 5 shuffle levels
+    inside each warp, then the 8 warp sums through shared memory and 3 more levels."""
+    warp_sums = cute.make_tensor(
+        cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK), cute.make_layout(WARPS_PER_BLOCK)
+    )
+    value = butterfly_sum(value, WARP_SIZE)
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        warp_sums[warp] = value
+    cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
+    # Lane l reads warp l mod 8's sum: each group of 8 lanes holds all 8 and sums them alike.
+    return butterfly_sum(warp_sums[lane % WARPS_PER_BLOCK], WARPS_PER_BLOCK)
+
+
+@cute.jit
+def add_products(thread_copy, x_tile, y_tile, lanes, in_bounds):
+    """lanes[j] += x_j * y_j over this thread's 16 elements of one tile, widened to float32
+    (in_bounds None: the whole tile is inside the vector, no predicate)."""
+    x_mine = thread_copy.partition_S(x_tile)
+    y_mine = thread_copy.partition_S(y_tile)
+    x_registers = cute.make_rmem_tensor_like(x_mine)
+    y_registers = cute.make_rmem_tensor_like(y_mine)
+    if cutlass.const_expr(in_bounds is not None):
+        x_registers.fill(0)  # what the predicate skips adds 0 * 0 = 0
+        y_registers.fill(0)
+    # All loads are issued before the first product, so they are in flight together.
+    cute.copy(thread_copy, x_mine, x_registers, pred=in_bounds)
+    cute.copy(thread_copy, y_mine, y_registers, pred=in_bounds)
+    # Widening is exact, and the compiler fuses each multiply and add into one fma.rn.f32.
+    for j in cutlass.range_constexpr(LANES_PER_THREAD):
+        lanes[j] += x_registers[j].to(cutlass.Float32) * y_registers[j].to(cutlass.Float32)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, coord_tile, n):
+    """The predicate tensor: True where this thread's element has an index < n. One entry per
+    copy atom, and the partial tile's atoms move one element each."""
+    coords = thread_copy.partition_S(coord_tile)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
+
+
+@cute.kernel
+def partial_dots_kernel(
+    x: cute.Tensor,
+    y: cute.Tensor,
+    partials: cute.Tensor,
+    n: cutlass.Int64,
+    tiles_per_block: cutlass.Int64,
+    tile_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    # blockIdx is a 32-bit register: widen it before multiplying, so tile indices and the
+    # offsets computed from them are 64-bit. n comes from its own 64-bit argument, never from
+    # x.shape: CuTe DSL 4.8.1 truncates a dynamic shape read back from a tensor to 32 bits.
+    block = cutlass.Int64(block_idx)
+    first_tile = block * tiles_per_block
+    stop_tile = cutlass.min(first_tile + tiles_per_block, (n + TILE_ELEMS - 1) // TILE_ELEMS)
+    full_tiles_stop = cutlass.min(stop_tile, n // TILE_ELEMS)
+
+    lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
+    lanes.fill(0.0)
+    thread_tile_copy = tile_copy.get_slice(thread)
+    for tile in cutlass.range(first_tile, full_tiles_stop):
+        x_tile = cute.local_tile(x, (TILE_ELEMS,), (tile,))
+        y_tile = cute.local_tile(y, (TILE_ELEMS,), (tile,))
+        add_products(thread_tile_copy, x_tile, y_tile, lanes, None)
+    if full_tiles_stop < stop_tile:  # this block holds the vector's last, partial tile
+        thread_element_copy = element_copy.get_slice(thread)
+        last = full_tiles_stop
+        coord_tile = cute.local_tile(cute.make_identity_tensor(n), (TILE_ELEMS,), (last,))
+        x_tile = cute.local_tile(x, (TILE_ELEMS,), (last,))
+        y_tile = cute.local_tile(y, (TILE_ELEMS,), (last,))
+        in_bounds = in_bounds_mask(thread_element_copy, coord_tile, n)
+        add_products(thread_element_copy, x_tile, y_tile, lanes, in_bounds)
+
+    total = block_sum(pairwise_sum([lanes[j] for j in range(LANES_PER_THREAD)]))
+    if thread == 0:
+        partials[block] = total
+
+
+@cute.kernel
+def sum_partials_kernel(partials: cute.Tensor, z: cute.Tensor, num_partials: cutlass.Int32):
+    thread, _, _ = cute.arch.thread_idx()
+    acc = cutlass.Float32(0.0)
+    for i in cutlass.range(thread, num_partials, THREADS_PER_BLOCK):
+        acc += partials[i]
+    total = block_sum(acc)
+    if thread == 0:
+        z[0] = total.to(z.element_type)  # the one rounding to the dtype, to nearest even
+
+
+def vector_layout(n, stride, vector_elems):
+    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
+    compile-time constant 1 (the stride argument is ignored): only a stride known when
+    compiling lets the compiler merge adjacent elements into one 128-bit access."""
+    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
+
+
+@cute.jit
+def launch_dot(
+    x_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    partials_address: cutlass.Int64,
+    z_address: cutlass.Int64,
+    n: cutlass.Int64,
+    x_stride: cutlass.Int64,
+    y_stride: cutlass.Int64,
+    blocks: cutlass.Int32,
+    tiles_per_block: cutlass.Int64,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    vector_elems: cutlass.Constexpr[int],
+):
+    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
+    # 16 bytes for a vector build, one element otherwise.
+    align = dtype.width // 8 * vector_elems
+    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
+    partials_ptr = cute.make_ptr(cutlass.Float32, partials_address, cute.AddressSpace.gmem)
+    z_ptr = cute.make_ptr(dtype, z_address, cute.AddressSpace.gmem)
+    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
+    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+    partials = cute.make_tensor(partials_ptr, cute.make_layout(blocks))
+    z = cute.make_tensor(z_ptr, cute.make_layout(1))
+
+    # The TV layout: thread_layout sets the 256 threads side by side, value_layout gives each
+    # of them one 16-byte vector's worth of adjacent elements; the tiled copy repeats this row
+    # over the tile, 16 elements per thread in all. It is the same in both builds: only the
+    # copy atom, the width of one access, changes.
+    elems_per_vector = VECTOR_BYTES * 8 // dtype.width
+    thread_layout = cute.make_layout(THREADS_PER_BLOCK)
+    value_layout = cute.make_layout(elems_per_vector)
+    tile_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * vector_elems
+    )
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    tile_copy = cute.make_tiled_copy_tv(tile_atom, thread_layout, value_layout)
+    element_copy = cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout)
+
+    # Two launches on one stream: pass 2 starts after pass 1 has written every partial.
+    partial_dots_kernel(x, y, partials, n, tiles_per_block, tile_copy, element_copy).launch(
+        grid=[blocks, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream
+    )
+    sum_partials_kernel(partials, z, blocks).launch(
+        grid=[1, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream
+    )
+
+
+def split(n):
+    """(blocks, tiles per block) of pass 1 for a vector of n > 0 elements: as few tiles per
+    block as MAX_BLOCKS allows, then only as many blocks as those tiles need."""
+    tiles = -(-n // TILE_ELEMS)
+    tiles_per_block = -(-tiles // min(tiles, MAX_BLOCKS))
+    return -(-tiles // tiles_per_block), tiles_per_block
+
+
+def elements_per_access(dtype, vector_friendly):
+    """16 // element size for the vector build, 1 for the any-stride build."""
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def build(dtype, vector_elems, options=""):
+    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    if vector_elems not in (1, elements_per_access(dtype, True)):
+        raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    return cute.compile(
+        launch_dot, 0, 0, 0, 0, 1, 1, 1, 1, 1, cute.runtime.make_fake_stream(),
+        TORCH_TO_CUTLASS[dtype], vector_elems, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, vector_elems):
+    """The compiled dot for torch `dtype` loading `vector_elems` elements per access, built
+    once (about half a second) and cached. Compiling needs no GPU."""
+    return build(dtype, vector_elems)
+
+
+def ptx_of(dtype, contiguous):
+    """The PTX of the vector build (contiguous=True) or of the any-stride build, for sm_90a
+    (H200): what the tests read to check for 128-bit loads and warp shuffles."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(dtype, elements_per_access(dtype, contiguous), options).__ptx__
+
+
+def is_vector_friendly(t):
+    """Adjacent elements (stride 1, or a single element) starting on a 16-byte boundary."""
+    return t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0
+
+
+def dot(x, y):
+    """z = x^T y for 1-D CUDA vectors of one dtype, accumulated in float32; a new 0-dim tensor."""
+    check_operands(x, y)
+    if x.device.type != "cuda":
+        raise ValueError(f"x and y are on {x.device}; the CuTe kernel needs CUDA tensors")
+    n = x.numel()
+    if n == 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)  # the empty sum
+    blocks, tiles_per_block = split(n)
+    vector_elems = elements_per_access(x.dtype, is_vector_friendly(x) and is_vector_friendly(y))
+    partials = torch.empty(blocks, dtype=torch.float32, device=x.device)
+    z = torch.empty((), dtype=x.dtype, device=x.device)
+    # Launch on torch's current stream of the operands' GPU: ordered with the caller's torch
+    # work, capturable by a CUDA graph (call once before capturing: the first call loads the
+    # compiled module).
+    with torch.cuda.device(x.device):
+        compile_kernel(x.dtype, vector_elems)(
+            x.data_ptr(), y.data_ptr(), partials.data_ptr(), z.data_ptr(), n,
+            x.stride(0), y.stride(0), blocks, tiles_per_block,
+            cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
+        )  # fmt: skip
+    return z
