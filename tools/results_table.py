@@ -98,7 +98,7 @@ def summary(results):
 def main(logs):
     table = [
         "| Name | Description | Equation | Flops | Data | Python | PyTorch | Triton | CuTe | Test "
-        "| H200 (% of copy, n = 2**28) |",
+        "| H200 (% of copy, largest size) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, (description, equation, flops, data) in KERNELS.items():
