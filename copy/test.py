@@ -176,7 +176,7 @@ def test_more_than_2_to_31_elements(impl):
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(dtype, tmp_path):
+def test_cute_ptx(dtype):
     """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
     vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
