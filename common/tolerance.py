@@ -52,7 +52,8 @@ def assert_same_bits(actual, expected, what="result"):
             f"{what}: got {actual.dtype} {tuple(actual.shape)}, "
             f"expected {expected.dtype} {tuple(expected.shape)}"
         )
-    differ = _bits(actual.cpu()) != _bits(expected.cpu())
+    actual, expected = actual.cpu().flatten(), expected.cpu().flatten()
+    differ = _bits(actual) != _bits(expected)
     if differ.any():
         first = int(differ.nonzero()[0])
         raise AssertionError(
@@ -71,12 +72,14 @@ def assert_matches_rounded(actual, exact, what="result"):
 
 
 def assert_within_bound(actual, exact, bound, what="result"):
-    """|actual - exact| <= bound elementwise, exact and bound in float64.
+    """|actual - exact| <= bound elementwise, exact and bound in float64 (any shape; positions
+    in the message count elements in row-major order).
 
     Non-finite exact values must be reproduced exactly (NaN where NaN, the same infinity), and a
     finite exact value must not come back as NaN or infinity."""
-    actual = actual.detach().cpu().to(torch.float64)
-    exact, bound = exact.cpu().to(torch.float64), bound.cpu().to(torch.float64)
+    actual = actual.detach().cpu().to(torch.float64).flatten()
+    exact = exact.cpu().to(torch.float64).flatten()
+    bound = bound.cpu().to(torch.float64).flatten()
     finite = torch.isfinite(exact)
     nan_mismatch = torch.isnan(actual) != torch.isnan(exact)
     inf_mismatch = ~finite & ~torch.isnan(exact) & (actual != exact)

@@ -11,6 +11,7 @@ test log on the GPU shows it passing and never failing.
 """
 
 import json
+import math
 import re
 import shutil
 import sys
@@ -24,6 +25,8 @@ KERNELS = {
     "scal": ("scale a vector", "y = alpha y", "n", "2n"),
     "axpby": ("scaled vector sum", "y = alpha x + beta y", "3n", "3n"),
     "dot": ("inner product", "z = x^T y", "2n", "2n"),
+    "gemv": ("matrix-vector product", "y = alpha A x + beta y", "2mn", "mn + n + 2m"),
+    "geru": ("rank-1 update", "A = A + alpha x y^T", "2mn", "2mn + m + n"),
 }
 FILES = {"Python": "reference.py", "PyTorch": "torch_impl.py", "Triton": "triton_impl.py"}
 FILES["CuTe"] = "cute_impl.py"
@@ -52,23 +55,36 @@ def passing_impls(test_log):
     return passed - failed
 
 
+def size_of(shape):
+    """'n = 2**28' for a vector, '16384 x 16384' for a matrix."""
+    if len(shape) == 1:
+        return f"n = 2**{shape[0].bit_length() - 1}"
+    return " x ".join(map(str, shape))
+
+
 def largest_rows(results):
-    largest = max(row["shape"][0] for row in results["rows"])
-    return [row for row in results["rows"] if row["shape"][0] == largest], largest
+    largest = max(math.prod(row["shape"]) for row in results["rows"])
+    rows = [row for row in results["rows"] if math.prod(row["shape"]) == largest]
+    return rows, size_of(rows[0]["shape"])
 
 
 def folder_table(results):
-    rows, n = largest_rows(results)
+    rows, size = largest_rows(results)
+    layout = "layout" in rows[0]  # matrix kernels report row- and column-major A separately
     lines = [
-        f"{results['device']}, n = 2**{n.bit_length() - 1}; copy ceiling measured in the same run: "
+        f"{results['device']}, {size}; copy ceiling measured in the same run: "
         f"{results['ceilings']['copy_GBps']:.0f} GB/s.",
         "",
-        "| implementation | dtype | time (us) | GB/s | % of copy | vs torch |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| implementation | dtype |"
+        + (" A |" if layout else "")
+        + " time (us) | GB/s | % of copy | vs torch |",
+        "| --- | --- |" + (" --- |" if layout else "") + " --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(
-            f"| {row['impl']} | {row['dtype']} | {row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | "
+            f"| {row['impl']} | {row['dtype']} |"
+            + (f" {row['layout']}-major |" if layout else "")
+            + f" {row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | "
             f"{row['pct_of_ceiling']:.1f} | {row['vs_library']:.2f} |"
         )
     lines += ["", "![GB/s against n](perf.png)"]
@@ -85,20 +101,23 @@ def replace_block(path, body):
 
 
 def summary(results):
-    """Best of Triton and CuTe as % of the copy ceiling, per dtype, at the largest size."""
-    rows, _ = largest_rows(results)
+    """Triton's and CuTe's % of the copy ceiling at the largest size, per dtype (and layout)."""
+    rows, size = largest_rows(results)
     parts = []
-    for dtype in dict.fromkeys(row["dtype"] for row in rows):
-        best = {r["impl"]: r["pct_of_ceiling"] for r in rows if r["dtype"] == dtype}
-        fused = [f"{impl} {best[impl]:.0f}%" for impl in ("triton", "cute") if impl in best]
-        parts.append(f"{dtype}: " + ", ".join(fused))
-    return "; ".join(parts)
+    for case in dict.fromkeys((row["dtype"], row.get("layout")) for row in rows):
+        pct = {
+            r["impl"]: r["pct_of_ceiling"] for r in rows if (r["dtype"], r.get("layout")) == case
+        }
+        label = case[0] if case[1] is None else f"{case[0]} {case[1]}-major"
+        kernels = [f"{impl} {pct[impl]:.0f}%" for impl in ("triton", "cute") if impl in pct]
+        parts.append(f"{label}: " + ", ".join(kernels))
+    return f"{size}: " + "; ".join(parts)
 
 
 def main(logs):
     table = [
         "| Name | Description | Equation | Flops | Data | Python | PyTorch | Triton | CuTe | Test "
-        "| H200 (% of copy, largest size) |",
+        "| H200: % of copy bandwidth at the largest size |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, (description, equation, flops, data) in KERNELS.items():

@@ -1,0 +1,478 @@
+"""gemv in the CuTe DSL: y = alpha*A*x + beta*y, one kernel per layout of A.
+
+The math
+--------
+    y_i = round_to_dtype( alpha32 * s_i + beta32 * y_i ),   s_i = sum_j a_ij x_j in float32
+
+alpha and beta are rounded to float32 once, on the host. Every element is widened to float32
+(exact), each row's products are summed in float32 registers in an order fixed by the shape
+alone (no atomics: the same inputs give the same bits on every run), and the float32 result is
+rounded once, to nearest even, when y_i is stored. README.md counts the roundings on each
+product's way to y_i. The kernels read A once, x once per block (from L2) and y once, and
+write y: (mn + n + 2m) * s bytes at the least, so the time is bounded by that over the memory
+bandwidth. BLAS's corner semantics are compile-time variants: alpha32 == 0 (or n == 0) builds
+no load of A or x, beta32 == 0 no load of y.
+
+How the rows are mapped onto the GPU
+------------------------------------
+A warp reads fast only when its 32 threads touch adjacent addresses, so the threads must be
+laid along A's contiguous dimension. That gives two kernels (README.md, "Two mappings"):
+
+`row_major_kernel`, rows contiguous. A block of 256 threads owns ROWS_PER_BLOCK = 2 rows; each
+  row belongs to THREADS_PER_ROW = 128 threads, four whole warps, which walk along it in tiles
+  of 128 * 16 = 2048 elements with the thread-value layout of dot/cute_impl.py: thread t owns
+  v adjacent elements (one 16-byte vector, v = 16 / element size) in each run of 128 v, 16
+  elements per tile, and keeps one float32 running sum per position (its 16 lanes). x is read
+  with the same layout, so lane k multiplies matching a_ij and x_j. At the end each row's sum
+  is put together level by level: the lanes in the thread (a pairwise tree, 4 levels), the 32
+  threads of each warp (shfl.sync.bfly, 5 levels), and the 4 warps of the row through shared
+  memory (one barrier, a pairwise tree of 2 levels).
+`column_major_kernel`, columns contiguous. A block owns 8 v rows (32 float32 or 64 16-bit rows:
+  one 128-byte cache line of every column) and walks the columns in tiles of 32 c columns. The
+  thread layout (8, 32):(1, 8) makes thread t the pair (t mod 8, t div 8): 8 threads down the
+  rows, each with one 16-byte vector of v rows, times 32 across the columns, each taking
+  c = 16 / v columns of every tile (4 for float32, 2 for 16-bit data), columns t div 8 + 32 q.
+  A thread accumulates its v rows times c columns in 16 float32 lanes, one FMA per element:
+  the sum over columns stays in its own registers, and no shuffle is needed. At the end each
+  thread adds its c column lanes per row (a pairwise tree), the 32 column threads of a row
+  meet in shared memory (one barrier), and one thread per row adds their 32 partial sums (a
+  pairwise tree, 5 levels) and finishes the row.
+
+Common to both:
+* Full tiles of a vector build (A's contiguous dimension has stride 1 and 16-byte aligned
+  starts) load A as 16-byte vectors, one ld.global.v4 each; anything else builds the same
+  kernel with 1-element accesses. The thread-value layout is the same in both builds: only the
+  copy atom changes, so every thread sums the same elements in the same order and y has the
+  same bits for a vector and a strided copy of the same data.
+* Partial tiles (the last columns of a row, the last rows of the matrix) keep the same map but
+  load element by element, each under a predicate from an identity tensor (its coordinate is
+  inside (m, n)); the registers they skip hold 0 and add 0 * 0 = 0 exactly.
+* m, n, the strides and the block index are 64-bit, so A may hold 2**31 elements and more; m
+  and n reach the kernel as their own arguments because CuTe DSL 4.8.1 truncates a dynamic
+  shape read back from a tensor to 32 bits.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import check_operands, to_float32
+
+# 256 threads = 8 warps per block.
+THREADS_PER_BLOCK = 256
+WARP_SIZE = 32
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
+# The widest load a thread can issue: 128 bits.
+VECTOR_BYTES = 16
+# Float32 running sums per thread, as in dot/cute_impl.py (measured there at full speed): the
+# elements of A one thread loads per tile, four 16-byte vectors of float32 or two of 16-bit
+# data, all in flight together. The vector builds use 52 to 88 registers per thread
+# (ptxas -v on the sm_90a PTX): two or three blocks of 256 threads per SM.
+LANES_PER_THREAD = 16
+# Row-major: four warps per row, so m = 16384 makes 8192 blocks and each thread of a 16384-long
+# float32 row adds 8 tiles in series rather than 32.
+WARPS_PER_ROW = 4
+THREADS_PER_ROW = WARPS_PER_ROW * WARP_SIZE
+ROWS_PER_BLOCK = WARPS_PER_BLOCK // WARPS_PER_ROW
+# Column-major: 8 threads of 16 bytes cover 128 bytes of a column, one cache line, so a block
+# owns 32 float32 or 64 16-bit rows and m = 16384 makes 512 or 256 blocks for the 132 SMs.
+# The other 32 threads of the thread layout spread over the columns.
+THREADS_PER_COLUMN = 8
+COLUMN_THREADS = THREADS_PER_BLOCK // THREADS_PER_COLUMN
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+def pairwise_sum(values):
+    """The sum of a power-of-two list of float32 registers, adding neighbours in pairs. Plain
+    Python, run while the kernel is traced: it emits the log2(len) levels of additions."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def warp_sum(value):
+    """The sum of `value` over the 32 lanes of a warp, in every lane: at the level with offset
+    o, lane l adds the value of lane l ^ o (shfl.sync.bfly); both partners compute the same
+    sum (a + b = b + a exactly), so all lanes end with the warp's sum, built by one tree."""
+    offset = WARP_SIZE // 2
+    for _ in cutlass.range_constexpr(WARP_SIZE.bit_length() - 1):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+        offset //= 2
+    return value
+
+
+@cute.jit
+def add_products(a_copy, a_tile, x_copy, x_tile, lanes, in_bounds):
+    """lanes[k] += a_k * x_k over this thread's elements of one tile, widened to float32. The
+    two thread copies partition their tiles alike, so register k of A and of x are a_ij and x_j
+    of the same (i, j). in_bounds None: the whole tile is inside the matrix, no predicate."""
+    a_mine = a_copy.partition_S(a_tile)
+    x_mine = x_copy.partition_S(x_tile)
+    a_registers = cute.make_rmem_tensor_like(a_mine)
+    x_registers = cute.make_rmem_tensor_like(x_mine)
+    if cutlass.const_expr(in_bounds is not None):
+        a_registers.fill(0)  # what the predicate skips adds 0 * 0 = 0
+        x_registers.fill(0)
+    # All loads are issued before the first product, so they are in flight together.
+    cute.copy(a_copy, a_mine, a_registers, pred=in_bounds)
+    cute.copy(x_copy, x_mine, x_registers, pred=in_bounds)
+    # Widening is exact, and the compiler fuses each multiply and add into one fma.rn.f32.
+    for k in cutlass.range_constexpr(cute.size(lanes)):
+        lanes[k] += a_registers[k].to(cutlass.Float32) * x_registers[k].to(cutlass.Float32)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, coord_tile, extent):
+    """The predicate tensor: True where this thread's element has a coordinate inside
+    `extent`. One entry per copy atom, and a predicated copy's atoms move one element each."""
+    coords = thread_copy.partition_S(coord_tile)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], extent)
+    return mask
+
+
+@cute.jit
+def finish_row(y, row, row_sum, alpha, beta, read_a: cutlass.Constexpr, read_y: cutlass.Constexpr):
+    """y[row] = alpha * row_sum + beta * y[row] in float32, rounded once by the store."""
+    result = cutlass.Float32(0.0)
+    if cutlass.const_expr(read_a):
+        result = alpha * row_sum
+    if cutlass.const_expr(read_y):
+        result = result + beta * y[row].to(cutlass.Float32)  # 0 + v is exact
+    y[row] = result.to(y.element_type)
+
+
+@cute.kernel
+def row_major_kernel(
+    A: cute.Tensor,
+    x: cute.Tensor,
+    y: cute.Tensor,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    tile_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+    read_a: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    row_in_block, thread_in_row = thread // THREADS_PER_ROW, thread % THREADS_PER_ROW
+    # blockIdx is a 32-bit register: widen it before multiplying.
+    row = cutlass.Int64(block_idx) * ROWS_PER_BLOCK + row_in_block
+    row_sum = cutlass.Float32(0.0)
+    if cutlass.const_expr(read_a):
+        tile_elems = THREADS_PER_ROW * LANES_PER_THREAD
+        lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
+        lanes.fill(0.0)
+        if row < m:  # the same for the four warps of a row: no warp diverges
+            a_row = A[row, None]
+            thread_tile_copy = tile_copy.get_slice(thread_in_row)
+            full_tiles = n // tile_elems
+            for tile in cutlass.range(full_tiles):
+                a_tile = cute.local_tile(a_row, (tile_elems,), (tile,))
+                x_tile = cute.local_tile(x, (tile_elems,), (tile,))
+                add_products(thread_tile_copy, a_tile, thread_tile_copy, x_tile, lanes, None)
+            if full_tiles * tile_elems < n:  # the row's last, partial tile
+                thread_element_copy = element_copy.get_slice(thread_in_row)
+                coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (full_tiles,))
+                in_bounds = in_bounds_mask(thread_element_copy, coords, n)
+                a_tile = cute.local_tile(a_row, (tile_elems,), (full_tiles,))
+                x_tile = cute.local_tile(x, (tile_elems,), (full_tiles,))
+                add_products(
+                    thread_element_copy, a_tile, thread_element_copy, x_tile, lanes, in_bounds
+                )
+        # Every thread takes part in the shuffles and the barrier, inside the matrix or not.
+        warp_total = warp_sum(pairwise_sum([lanes[k] for k in range(LANES_PER_THREAD)]))
+        warp_sums = cute.make_tensor(
+            cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK),
+            cute.make_layout(WARPS_PER_BLOCK),
+        )
+        if cute.arch.lane_idx() == 0:
+            warp_sums[cute.arch.warp_idx()] = warp_total
+        cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
+        first_warp = row_in_block * WARPS_PER_ROW
+        row_sum = pairwise_sum([warp_sums[first_warp + w] for w in range(WARPS_PER_ROW)])
+    if thread_in_row == 0 and row < m:
+        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
+
+
+@cute.kernel
+def column_major_kernel(
+    A: cute.Tensor,
+    x_rows: cute.Tensor,
+    y: cute.Tensor,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    tile_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+    rows_per_thread: cutlass.Constexpr[int],
+    read_a: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    block = cutlass.Int64(block_idx)  # 32-bit register, widened before multiplying
+    block_rows = THREADS_PER_COLUMN * rows_per_thread
+    columns_per_thread = LANES_PER_THREAD // rows_per_thread
+    tile_columns = COLUMN_THREADS * columns_per_thread
+    row_sum = cutlass.Float32(0.0)
+    if cutlass.const_expr(read_a):
+        tile = (block_rows, tile_columns)
+        lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
+        lanes.fill(0.0)
+        thread_tile_copy = tile_copy.get_slice(thread)
+        thread_element_copy = element_copy.get_slice(thread)
+        full_tiles = n // tile_columns
+        tiles = (n + tile_columns - 1) // tile_columns
+        # x_rows is x seen as an (m, n) matrix whose every row is x (row stride 0): partitioned
+        # with the same thread-value layout as A, it hands each thread the x_j of each of its
+        # a_ij. A stride-0 operand cannot be read as vectors, so x always uses 1-element
+        # accesses; the v copies of one x_j in a thread are one address, loaded once.
+        identity = cute.make_identity_tensor((m, n))
+        first_partial = cutlass.Int64(0)  # in the matrix's last rows every tile is partial
+        if (block + 1) * block_rows <= m:
+            for t in cutlass.range(full_tiles):
+                add_products(
+                    thread_tile_copy, cute.local_tile(A, tile, (block, t)),
+                    thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), lanes, None,
+                )  # fmt: skip
+            first_partial = full_tiles
+        for t in cutlass.range(first_partial, tiles):
+            in_bounds = in_bounds_mask(
+                thread_element_copy, cute.local_tile(identity, tile, (block, t)), (m, n)
+            )
+            add_products(
+                thread_element_copy, cute.local_tile(A, tile, (block, t)),
+                thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), lanes, in_bounds,
+            )  # fmt: skip
+        # Register k holds row k mod v of the thread's vector and its column k div v.
+        partials = cute.make_tensor(
+            cute.arch.alloc_smem(cutlass.Float32, block_rows * COLUMN_THREADS),
+            cute.make_layout((block_rows, COLUMN_THREADS), stride=(1, block_rows)),
+        )
+        row_thread, column_thread = thread % THREADS_PER_COLUMN, thread // THREADS_PER_COLUMN
+        for r in cutlass.range_constexpr(rows_per_thread):
+            own_columns = [lanes[r + rows_per_thread * c] for c in range(columns_per_thread)]
+            partials[row_thread * rows_per_thread + r, column_thread] = pairwise_sum(own_columns)
+        cute.arch.sync_threads()  # all 32 partial sums of every row are in shared memory
+        if thread < block_rows:
+            row_sum = pairwise_sum([partials[thread, c] for c in range(COLUMN_THREADS)])
+    row = block * block_rows + thread
+    if thread < block_rows and row < m:
+        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
+
+
+def tiled_copies(dtype, layout, vector_elems):
+    """(tile_copy, element_copy) of the 'row' or 'col' kernel, built while a launcher is traced:
+    one thread-value layout and two access widths, vector_elems elements (a 16-byte vector, or
+    1 in the any-stride build) and one element (the predicated copies of partial tiles)."""
+    elems_per_vector = VECTOR_BYTES * 8 // dtype.width
+    if layout == "row":
+        # Thread t of a row's 128 owns v adjacent elements in each run of 128 v.
+        thread_layout = cute.make_layout(THREADS_PER_ROW)
+        value_layout = cute.make_layout(elems_per_vector)
+    else:
+        # (8, 32):(1, 8): thread t is (t mod 8) down the rows and (t div 8) across the columns,
+        # and holds one vector of v rows of each of its columns.
+        thread_layout = cute.make_layout(
+            (THREADS_PER_COLUMN, COLUMN_THREADS), stride=(1, THREADS_PER_COLUMN)
+        )
+        value_layout = cute.make_layout((elems_per_vector, 1))
+    copies = []
+    for bits in (dtype.width * vector_elems, dtype.width):
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        copies.append(cute.make_tiled_copy_tv(atom, thread_layout, value_layout))
+    return tuple(copies)
+
+
+@cute.jit
+def launch_gemv(
+    a_address: cutlass.Int64,
+    x_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    stride_am: cutlass.Int64,
+    stride_an: cutlass.Int64,
+    stride_x: cutlass.Int64,
+    stride_y: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    layout: cutlass.Constexpr[str],
+    vector_elems: cutlass.Constexpr[int],
+    read_a: cutlass.Constexpr[bool],
+    read_y: cutlass.Constexpr[bool],
+):
+    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
+    # 16 bytes for A (and, row-major, x) in a vector build, one element otherwise.
+    align = dtype.width // 8 * vector_elems
+    a_ptr = cute.make_ptr(dtype, a_address, cute.AddressSpace.gmem, assumed_align=align)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem)
+    y = cute.make_tensor(y_ptr, cute.make_layout(m, stride=stride_y))
+    tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
+    # A vector build fixes the stride along the contiguous dimension to the compile-time
+    # constant 1 and tells the compiler that every row (or column) starts on a vector boundary:
+    # only then may it merge adjacent elements into one 128-bit access.
+    if cutlass.const_expr(vector_elems == 1):
+        a_layout = cute.make_layout((m, n), stride=(stride_am, stride_an))
+    elif cutlass.const_expr(layout == "row"):
+        a_layout = cute.make_layout((m, n), stride=(cute.assume(stride_am, divby=vector_elems), 1))
+    else:
+        a_layout = cute.make_layout((m, n), stride=(1, cute.assume(stride_an, divby=vector_elems)))
+    A = cute.make_tensor(a_ptr, a_layout)
+    if cutlass.const_expr(layout == "row"):
+        x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
+        x = cute.make_tensor(x_ptr, vector_layout(n, stride_x, vector_elems))
+        kernel = row_major_kernel(
+            A, x, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
+        )
+        rows_per_block = ROWS_PER_BLOCK
+    else:
+        # x as an (m, n) matrix whose every row is x: row stride 0.
+        x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem)
+        x_rows = cute.make_tensor(x_ptr, cute.make_layout((m, n), stride=(0, stride_x)))
+        rows_per_thread = VECTOR_BYTES * 8 // dtype.width
+        kernel = column_major_kernel(
+            A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, rows_per_thread,
+            read_a, read_y,
+        )  # fmt: skip
+        rows_per_block = THREADS_PER_COLUMN * rows_per_thread
+    kernel.launch(
+        grid=[cute.ceil_div(m, rows_per_block), 1, 1],
+        block=[THREADS_PER_BLOCK, 1, 1],
+        stream=stream,
+    )
+
+
+def vector_layout(n, stride, vector_elems):
+    """The layout j -> j*stride of a length-n vector. A vector build fixes the stride to the
+    compile-time constant 1 (the stride argument is ignored), as for A's rows."""
+    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
+
+
+def mapping(A):
+    """'col' when A's rows are adjacent in memory (column-major, A.stride(0) < A.stride(1)),
+    else 'row': the contiguous dimension, or the nearer one for a strided view."""
+    return "col" if A.stride(0) < A.stride(1) else "row"
+
+
+def elements_per_access(dtype, vector_friendly):
+    """16 // element size for the vector build, 1 for the any-stride build."""
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def is_vector_friendly(A, x, layout):
+    """A's contiguous dimension has stride 1 and every row (row-major) or column (column-major)
+    starts on a 16-byte boundary; row-major also reads x as vectors, so x must be contiguous
+    and aligned as well."""
+    v = elements_per_access(A.dtype, True)
+    along, across = (1, 0) if layout == "row" else (0, 1)
+    a_ok = A.stride(along) == 1 and A.stride(across) % v == 0 and A.data_ptr() % VECTOR_BYTES == 0
+    if layout == "col":
+        return a_ok
+    return a_ok and x.is_contiguous() and x.data_ptr() % VECTOR_BYTES == 0
+
+
+def build(dtype, layout, vector_elems, read_a, read_y, options=""):
+    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    if vector_elems not in (1, elements_per_access(dtype, True)):
+        raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    if layout not in ("row", "col"):
+        raise ValueError(f"layout must be 'row' or 'col', got {layout!r}")
+    return cute.compile(
+        launch_gemv, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1.0, 1.0, cute.runtime.make_fake_stream(),
+        TORCH_TO_CUTLASS[dtype], layout, vector_elems, read_a, read_y, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, layout, vector_elems, read_a, read_y):
+    """The compiled gemv for torch `dtype`, A's `layout` ('row' or 'col'), `vector_elems`
+    elements per access of A, loading A and x only if read_a and y only if read_y; built once
+    (about a second) and cached. Compiling needs no GPU."""
+    return build(dtype, layout, vector_elems, read_a, read_y)
+
+
+def ptx_of(dtype, layout, contiguous, read_a=True, read_y=True):
+    """The PTX of the vector build (contiguous=True) or of the any-stride build of the 'row'
+    or 'col' kernel, for sm_90a (H200): what the tests read to check for 128-bit loads and
+    warp shuffles."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        vector_elems = elements_per_access(dtype, contiguous)
+        return build(dtype, layout, vector_elems, read_a, read_y, options).__ptx__
+
+
+@cute.jit
+def record_coordinates(
+    dtype: cutlass.Constexpr,
+    layout: cutlass.Constexpr[str],
+    vector_elems: cutlass.Constexpr[int],
+    threads: cutlass.Constexpr,
+    found: cutlass.Constexpr,
+):
+    """Append to `found`, for each thread and for the tile copy then the element copy, the
+    coordinates of its registers in one tile. Pure layout algebra, run while tracing."""
+    tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
+    v = VECTOR_BYTES * 8 // dtype.width
+    if cutlass.const_expr(layout == "row"):
+        tile = THREADS_PER_ROW * LANES_PER_THREAD
+    else:
+        tile = (THREADS_PER_COLUMN * v, COLUMN_THREADS * (LANES_PER_THREAD // v))
+    identity = cute.make_identity_tensor(tile)
+    for i in cutlass.range_constexpr(len(threads)):
+        for thread_copy in (tile_copy, element_copy):
+            coords = thread_copy.get_slice(threads[i]).partition_S(identity)
+            found.append([coords[k] for k in range(cute.size(coords))])
+
+
+def register_coordinates(dtype, layout, contiguous, threads):
+    """{(thread, 'tile' or 'element'): the coordinate in one tile of each of its registers},
+    from the layouts the kernels are built with: what the tests check README.md's formulas
+    against. Runs on the host; needs no GPU."""
+    found = []
+    vector_elems = elements_per_access(dtype, contiguous)
+    record_coordinates(TORCH_TO_CUTLASS[dtype], layout, vector_elems, tuple(threads), found)
+    keys = [(t, copy) for t in threads for copy in ("tile", "element")]
+    return dict(zip(keys, found, strict=True))
+
+
+def gemv(alpha, A, x, beta, y):
+    """y = alpha*A*x + beta*y for CUDA tensors of one dtype, in float32; returns y."""
+    check_operands(alpha, A, x, beta, y)
+    if y.device.type != "cuda":
+        raise ValueError(f"A, x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
+    m, n = A.shape
+    if m == 0:
+        return y
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    read_a, read_y = alpha32 != 0.0 and n > 0, beta32 != 0.0
+    layout = mapping(A)
+    vector_elems = elements_per_access(A.dtype, is_vector_friendly(A, x, layout))
+    # Launch on torch's current stream of the operands' GPU: ordered with the caller's torch
+    # work, capturable by a CUDA graph (call once before capturing: the first call loads the
+    # compiled module).
+    with torch.cuda.device(y.device):
+        compile_kernel(A.dtype, layout, vector_elems, read_a, read_y)(
+            A.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, A.stride(0), A.stride(1),
+            x.stride(0), y.stride(0), alpha32, beta32,
+            cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
+        )  # fmt: skip
+    return y

@@ -1,0 +1,678 @@
+"""Tests for gemv: every implementation lands within the bound README.md derives.
+
+Run with `python test.py` (or `nox -s gemv` from the top). Without a GPU, torch runs on the CPU,
+Triton under its interpreter, and the CuTe kernels are compiled for sm_90a and their PTX
+checked; launching them needs the GPU, and those tests say so when they skip.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import (
+    assert_matches_rounded,
+    assert_same_bits,
+    assert_within_bound,
+    gamma,
+    store_roundoff,
+    underflow,
+    unit_roundoff,
+)
+
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+LAYOUTS = ["row", "col"]
+# (m, n): 1x1, primes, 2**k +- 1, and the edges of the tiles: Triton's 16 x 256 (float32) and
+# 16 x 512 (16-bit) row tiles and 32 or 64 x 128 column tiles; CuTe's blocks of 2 rows of
+# 2048-element tiles and its 32 x 128 (float32) and 64 x 64 (16-bit) column tiles.
+SHAPES = [
+    (1, 1), (2, 3), (7, 1), (1, 31), (31, 127), (16, 256), (17, 257), (33, 129), (64, 128),
+    (65, 513), (127, 63), (3, 2047), (2, 2048), (63, 2049), (257, 17),
+]  # fmt: skip
+ALPHA, BETA = 0.3, -1.7  # the scalars of most tests: neither term dominates
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+# Storage-dtype roundings torch may add on each term (README.md, "torch_impl.py").
+TORCH_EXTRA_ROUNDINGS = 2
+# reference.py's own error, in units of W_i = |alpha| T_i + |beta y_i| (its docstring).
+REFERENCE_ERROR = gamma(3, U64)
+
+
+def convert_bfloat16_like_the_gpu():
+    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
+    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
+    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
+    or the CPU run would check the wrong arithmetic."""
+    from triton.runtime import interpreter
+
+    tl, convert = interpreter.tl, interpreter._convert_float
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
+def index_scalars_with_item():
+    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
+    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
+    over runtime bounds, such as the kernel's walk along the columns, fails. Use .item()."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    interpreter._patch_lang_tensor = patch_with_item
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    convert_bfloat16_like_the_gpu()
+    index_scalars_with_item()
+
+
+def entry_point(name):
+    """The implementation's gemv. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl.gemv if name == "cute" else modules[name].gemv
+
+
+def implementation(name):
+    """The implementation's gemv, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return entry_point(name)
+
+
+def random_vector(n, dtype, step=1):
+    return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def random_matrix(m, n, dtype, layout):
+    """Fresh random (m, n) values, row-major, or column-major (the transpose of an (n, m))."""
+    if layout == "row":
+        return torch.randn(m, n, device=DEVICE).to(dtype)
+    return torch.randn(n, m, device=DEVICE).to(dtype).T
+
+
+def triton_roundings(n, dtype, layout):
+    """README.md's k for triton_impl: the most roundings on one term alpha a_ij x_j's way to y_i.
+
+    One for the product of two float32 numbers (none for 16-bit data, whose products are exact
+    in float32), one per further column step added into a lane, log2(BLOCK_N) levels of the
+    tree over a row's lanes, and two for alpha * sum and the addition of beta * y_i. Read from
+    triton_impl at each call, so the bound follows the tile the kernel runs."""
+    _, block_n = triton_impl.tile_shape(layout, dtype)
+    product = 1 if dtype == torch.float32 else 0
+    return product + (math.ceil(n / block_n) - 1) + int(math.log2(block_n)) + 2
+
+
+def cute_roundings(n, dtype, layout):
+    """README.md's k for cute_impl, counted on each kernel's own tree.
+
+    Row-major: the product, one per further tile of 128 * LANES_PER_THREAD elements, then
+    log2(LANES_PER_THREAD) levels in the thread, log2(32) shuffle levels and log2(WARPS_PER_ROW)
+    across the row's warps. Column-major: the product, one per further tile of 32 * c columns
+    (c = LANES_PER_THREAD / v columns per thread, v elements per 16-byte vector), then log2(c)
+    levels in the thread and log2(COLUMN_THREADS) levels over the row's partial sums. Both end
+    with alpha * sum and the addition of beta * y_i."""
+    product = 1 if dtype == torch.float32 else 0
+    if layout == "row":
+        tile = cute_impl.THREADS_PER_ROW * cute_impl.LANES_PER_THREAD
+        tree = [cute_impl.LANES_PER_THREAD, cute_impl.WARP_SIZE, cute_impl.WARPS_PER_ROW]
+    else:
+        columns_per_thread = cute_impl.LANES_PER_THREAD * dtype.itemsize // cute_impl.VECTOR_BYTES
+        tile = cute_impl.COLUMN_THREADS * columns_per_thread
+        tree = [columns_per_thread, cute_impl.COLUMN_THREADS]
+    return product + (math.ceil(n / tile) - 1) + sum(int(math.log2(t)) for t in tree) + 2
+
+
+def abs_row_sums(A, x, rows=4096):
+    """T_i = sum_j |a_ij x_j| in float64 (the products are exact), a block of rows at a time so
+    that the float64 copies of a large A stay small."""
+    x_abs = x.double().abs()
+    blocks = [A[s : s + rows].double().abs() @ x_abs for s in range(0, A.shape[0], rows)]
+    return torch.cat(blocks).cpu() if blocks else torch.zeros(0, dtype=torch.float64)
+
+
+def error_bound(impl, alpha, A, x, beta, y, exact, exact_error=REFERENCE_ERROR):
+    """README.md's bound on |y_hat_i - y_i|, row by row:
+
+        u_s |y_i| + (1 + u_s) (c_a |a| T_i + c_b |b y_i| + (1 + c_a) |a| n e + 2 (1 + u) e) + e_s
+
+    a, b the float32 scalars, T_i = sum_j |a_ij x_j|, u_s the store's unit roundoff (0 for
+    float32), e and e_s the absolute error of a float32 and of a storing rounding among the
+    subnormals. For the kernels c_a = gamma_k with k from *_roundings and c_b = gamma_2. torch
+    adds in its library's undocumented order, so for it only what holds for every order of
+    float32 additions, k = n + 2, with up to TORCH_EXTRA_ROUNDINGS roundings to the storage
+    dtype on each term (and their subnormal errors). The exact answer is known to within
+    exact_error * W_i, W_i = |a| T_i + |b y_i|: gamma_3 of float64 for reference.py."""
+    m, n = A.shape
+    dtype = A.dtype
+    a32, b32 = reference.to_float32(float(alpha)), reference.to_float32(float(beta))
+    zeros = torch.zeros(m, dtype=torch.float64)
+    alpha_part = abs(a32) * abs_row_sums(A, x) if a32 != 0 and n > 0 else zeros
+    beta_part = abs(b32) * y.cpu().double().abs() if b32 != 0 else zeros
+    u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
+    if impl == "torch":
+        extra = (1 + u_s) ** TORCH_EXTRA_ROUNDINGS
+        c_a = extra * (1 + gamma(n + 2, U32)) - 1
+        c_b = extra * (1 + gamma(2, U32)) - 1
+        e = e + TORCH_EXTRA_ROUNDINGS * e_s
+    else:
+        module, roundings = (
+            (cute_impl, cute_roundings) if impl == "cute" else (triton_impl, triton_roundings)
+        )
+        c_a = gamma(roundings(n, dtype, module.mapping(A)), U32) if n > 0 else 0.0
+        c_b = gamma(2, U32)
+    float32_error = c_a * alpha_part + c_b * beta_part + (1 + c_a) * abs(a32) * n * e
+    bound = u_s * exact.abs() + (1 + u_s) * (float32_error + 2 * (1 + U32) * e) + e_s
+    return bound + (1 + u_s) * exact_error * (alpha_part + beta_part)
+
+
+def check(impl, alpha, A, x, beta, y, what=""):
+    """Run impl in place on y and check it against the reference within the bound."""
+    exact = reference.gemv(alpha, A.cpu(), x.cpu(), beta, y.cpu())
+    bound = error_bound(impl, alpha, A, x, beta, y, exact)
+    result = implementation(impl)(alpha, A, x, beta, y)
+    assert result is y
+    assert_within_bound(y, exact, bound, f"{impl} {tuple(A.shape)} {what}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(impl, layout, dtype, shape):
+    m, n = shape
+    A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    check(impl, ALPHA, A, x, BETA, y, layout)
+
+
+MARGIN = 5  # elements of NaN before a guarded vector
+
+
+def guarded(values, step, margin=MARGIN):
+    """A view with the given step of `values` (1-D) inside a NaN-filled buffer: (view, buffer).
+    Step 0 broadcasts one value and needs no buffer."""
+    if step == 0:
+        return values[:1].expand(values.numel()), None
+    size = 2 * margin + values.numel() * step
+    buffer = torch.full((size,), float("nan"), device=DEVICE, dtype=values.dtype)
+    view = buffer[margin : margin + values.numel() * step : step]
+    view.copy_(values)
+    return view, buffer
+
+
+def guarded_matrix(m, n, dtype, view):
+    """An (m, n) view of fresh random values inside a NaN-filled buffer.
+
+    row-sliced   A = buffer[2 : 2 + m, 3 : 3 + n], rows padded on both sides
+    col-sliced   the transpose of such a slice: column-major with padded columns
+    strided      A = buffer[1::2, ::3], no stride 1 at all"""
+    if view == "row-sliced":
+        buffer = torch.full((m + 4, n + 7), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer[2 : 2 + m, 3 : 3 + n]
+    elif view == "col-sliced":
+        buffer = torch.full((n + 4, m + 7), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer[2 : 2 + n, 3 : 3 + m].T
+    else:
+        buffer = torch.full((2 * m + 1, 3 * n), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer[1::2, ::3]
+    A.copy_(torch.randn(m, n, device=DEVICE))
+    return A
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 300), (130, 70)], ids=str)
+@pytest.mark.parametrize(
+    "view, step_x, step_y",
+    [("row-sliced", 3, 2), ("col-sliced", 0, 1), ("strided", 1, 3), ("col-sliced", 2, 5)],
+)
+def test_views_inside_guard(impl, dtype, shape, view, step_x, step_y):
+    """Sliced and strided A, strided and stride-0 x, and a strided y, each a view into NaN: a
+    read outside A or x makes y NaN, every element of y must be written (its old value is far
+    from the new one), and nothing around or between y's elements may change."""
+    m, n = shape
+    A = guarded_matrix(m, n, dtype, view)
+    x, _ = guarded(random_vector(n, dtype), step_x)
+    y, y_buffer = guarded(random_vector(m, dtype), step_y)
+    A_before, x_before = A.clone(), x.clone()
+    check(impl, ALPHA, A, x, BETA, y, view)
+    untouched = torch.ones_like(y_buffer, dtype=torch.bool)
+    untouched[MARGIN : MARGIN + m * step_y : step_y] = False
+    assert y_buffer[untouched].isnan().all(), "an element outside y was written"
+    assert_same_bits(A.reshape(-1), A_before.reshape(-1), "A after the call")
+    assert_same_bits(x, x_before, "x after the call")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_scalars_do_not_read(impl, layout, dtype):
+    """beta == 0 ignores NaN in y; alpha == 0 ignores NaN in A and x (y = beta*y); both zero give
+    +0 without reading anything."""
+    m, n = 70, 300
+    nan_y = torch.full((m,), float("nan"), device=DEVICE, dtype=dtype)
+    nan_A = random_matrix(m, n, dtype, layout).fill_(float("nan"))
+    nan_x = torch.full((n,), float("nan"), device=DEVICE, dtype=dtype)
+    A, x = random_matrix(m, n, dtype, layout), random_vector(n, dtype)
+    check(impl, ALPHA, A, x, 0.0, nan_y.clone(), "beta = 0")
+    check(impl, 0.0, nan_A, nan_x, BETA, random_vector(m, dtype), "alpha = 0")
+    check(impl, 1e-50, nan_A, nan_x, BETA, random_vector(m, dtype), "alpha rounds to 0")
+    y = nan_y.clone()
+    implementation(impl)(0.0, nan_A, nan_x, 0.0, y)
+    assert_same_bits(y, torch.zeros_like(y), "alpha = beta = 0")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_empty_shapes(impl, dtype):
+    """m == 0 leaves the empty y alone; n == 0 is the empty sum, y = beta*y (y = 0 for beta
+    == 0, even over NaN)."""
+    gemv = implementation(impl)
+    no_rows, empty_y = torch.empty(0, 5, device=DEVICE, dtype=dtype), random_vector(0, dtype)
+    assert gemv(ALPHA, no_rows, random_vector(5, dtype), BETA, empty_y) is empty_y
+    no_columns, no_x = torch.empty(9, 0, device=DEVICE, dtype=dtype), random_vector(0, dtype)
+    check(impl, ALPHA, no_columns, no_x, BETA, random_vector(9, dtype), "n = 0")
+    y = torch.full((9,), float("nan"), device=DEVICE, dtype=dtype)
+    gemv(ALPHA, no_columns, no_x, 0.0, y)
+    assert_same_bits(y, torch.zeros_like(y), "n = 0, beta = 0")
+
+
+def test_empty_launches_nothing(monkeypatch):
+    """m == 0 returns y without touching the kernel."""
+    monkeypatch.setattr(triton_impl, "gemv_kernel", None)
+    no_rows, x = torch.empty(0, 4, device=DEVICE), torch.ones(4, device=DEVICE)
+    y = torch.empty(0, device=DEVICE)
+    assert triton_impl.gemv(1.0, no_rows, x, 1.0, y) is y
+
+
+def special_case(name, m, n, dtype, layout):
+    """(A, x, y) of random values with special values planted in rows 3 and 40 (or in x)."""
+    A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    inf, nan, tiny = float("inf"), float("nan"), torch.finfo(dtype).tiny
+    if name == "nan in A":
+        A[3, 200] = nan
+    elif name == "inf in A":
+        A[3, 5], A[40, 290] = inf, -inf
+    elif name == "inf - inf":
+        A[3, 5], A[3, 250] = inf, inf
+        x[5], x[250] = 1.0, -1.0
+    elif name == "inf * 0":
+        A[40, 7], x[7] = inf, 0.0
+    elif name == "inf in x":
+        x[100] = inf
+    elif name == "nan in y":
+        y[3] = nan
+    else:  # subnormal products, below float32's and (bfloat16, float16) the dtype's range
+        A[3, :8] = tiny / 4
+        x[:8] = torch.tensor([0.5, -3.0, tiny, 1.0, 2.0, -tiny, 0.25, 1.0], dtype=dtype)
+        y[3] = 0.0
+    return A, x, y
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case", ["nan in A", "inf in A", "inf - inf", "inf * 0", "inf in x", "nan in y", "subnormal"]
+)
+def test_special_values(impl, layout, dtype, case):
+    """NaN and infinities in read operands propagate as IEEE says (the exact result must come
+    back exactly, NaN where NaN); subnormal products stay within the underflow terms."""
+    A, x, y = special_case(case, 50, 300, dtype, layout)
+    check(impl, ALPHA, A, x, BETA, y, case)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_accumulates_in_float32(impl, layout, dtype):
+    """Each row is one 1 and 4/eps terms of eps/4: a 16-bit accumulator rounds every addition
+    back to 1, float32 holds every partial sum exactly, so y must be 2 exactly. This is the
+    measurement behind torch_impl's claim."""
+    n, term = int(4 / torch.finfo(dtype).eps) + 1, torch.finfo(dtype).eps / 4
+    A = random_matrix(3, n, dtype, layout).fill_(term)
+    A[:, 0] = 1.0
+    y = torch.empty(3, device=DEVICE, dtype=dtype)
+    implementation(impl)(1.0, A, torch.ones(n, device=DEVICE, dtype=dtype), 0.0, y)
+    assert_same_bits(y, torch.full_like(y, 2.0))
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scalars_rounded_to_float32(impl, layout, dtype):
+    """alpha = 1 + 2**-8 + 2**-20 and beta = 1, A = x = 1, y = -1: the kernels compute
+    alpha32 * 1 - 1 exactly in float32, so y must be alpha32 - 1 rounded once. torch on the
+    CPU rounds alpha to the 16-bit dtype first and does not pass; its bound allows for that."""
+    alpha = 1 + 2**-8 + 2**-20
+    A = random_matrix(5, 1, dtype, layout).fill_(1.0)
+    y = torch.full((5,), -1.0, device=DEVICE, dtype=dtype)
+    implementation(impl)(alpha, A, torch.ones(1, device=DEVICE, dtype=dtype), 1.0, y)
+    expected = torch.full((5,), reference.to_float32(alpha) - 1, dtype=torch.float64)
+    assert_matches_rounded(y, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeatability(impl, layout, dtype):
+    """Two runs on the same inputs give the same bits: the summation order depends on the
+    shape only."""
+    gemv = implementation(impl)
+    m, n = 67, 3000
+    A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    first, second = y.clone(), y.clone()
+    gemv(ALPHA, A, x, BETA, first)
+    gemv(ALPHA, A, x, BETA, second)
+    assert_same_bits(second, first)
+
+
+def test_disjoint_views_of_one_buffer():
+    """A, x and y may come from one buffer as long as y's addresses meet neither A's nor x's."""
+    m, n = 20, 30
+    buffer = torch.randn(m * n + n + m, device=DEVICE)
+    A, x, y = buffer[: m * n].view(m, n), buffer[m * n : m * n + n], buffer[m * n + n :]
+    check("triton", ALPHA, A, x, BETA, y)
+
+
+def bad_inputs():
+    """(alpha, A, x, beta, y, expected error, words the message must contain)"""
+    f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    A, x, y = f32(3, 4), f32(4), f32(3)
+    buffer = f32(40)
+    yield torch.tensor(1.0), A, x, 1.0, y, TypeError, "alpha must be a real"
+    yield 1.0, A, x, True, y, TypeError, "beta must be a real"
+    yield 1.0, A.tolist(), x, 1.0, y, TypeError, "A must be a torch.Tensor"
+    yield 1.0, A, [1.0] * 4, 1.0, y, TypeError, "x must be a torch.Tensor"
+    yield 1.0, f32(12), x, 1.0, y, ValueError, "A must be a 2-D"
+    yield 1.0, A, f32(4, 1), 1.0, y, ValueError, "x must be a 1-D"
+    yield 1.0, A, x, 1.0, f32(1)[0], ValueError, "y must be a 1-D"
+    yield 1.0, A, f32(5), 1.0, y, ValueError, "x has 5 elements but A has 4 columns"
+    yield 1.0, A, x, 1.0, f32(4), ValueError, "y has 4 elements but A has 3 rows"
+    yield 1.0, A.double(), x.double(), 1.0, y.double(), TypeError, "A has dtype torch.float64"
+    yield 1.0, A.int(), x.int(), 1.0, y.int(), TypeError, "supported"
+    yield 1.0, A, x.half(), 1.0, y, TypeError, "x has dtype torch.float16 but A"
+    yield 1.0, A.bfloat16(), x.bfloat16(), 1.0, y, TypeError, "y has dtype torch.float32 but A"
+    yield 1.0, A, x, 1.0, f32(1).expand(3), ValueError, "y has stride 0"
+    yield 1.0, buffer[:12].view(3, 4), x, 1.0, buffer[10:13], ValueError, "y overlaps A"
+    yield 1.0, A, buffer[20:24], 1.0, buffer[23:26], ValueError, "y overlaps x"
+    yield 1.0, A, x, 1.0, A[:, 1], ValueError, "y overlaps A"
+    if ON_GPU:
+        yield 1.0, A, x.cpu(), 1.0, y, ValueError, "x is on cpu"
+        yield 1.0, A, x, 1.0, y.cpu(), ValueError, "y is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, before any launch, so CuTe is checked on the CPU too."""
+    *operands, error, words = case
+    y = operands[4]
+    before = y.clone() if isinstance(y, torch.Tensor) else None
+    with pytest.raises(error, match=words):
+        entry_point(impl)(*operands)
+    if before is not None:
+        assert_same_bits(y.reshape(-1), before.reshape(-1), "y after a rejected call")
+
+
+def kernel_bounds(alpha, A, x, beta, y, exact):
+    """(name, bound) for every kernel's bound on this problem, CuTe's where it can be imported."""
+    impls = ["triton"] + (["cute"] if cute_impl is not None else [])
+    return [(impl, error_bound(impl, alpha, A, x, beta, y, exact)) for impl in impls]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_negative_controls(layout):
+    """Each kernel's bound rejects a result that dropped or doubled one term of a row (the
+    largest), a row copied from its neighbour, and the one extra bfloat16 rounding torch makes
+    on the CPU (alpha rounded to bfloat16), which torch's own bound lets through."""
+    m, n, dtype, alpha, beta = 64, 2048, torch.bfloat16, 1 + 2**-8 + 2**-20, -1.7
+    A = random_matrix(m, n, dtype, layout).cpu()
+    x, y = random_vector(n, dtype).cpu(), random_vector(m, dtype).cpu()
+    exact = reference.gemv(alpha, A, x, beta, y)
+    a32 = reference.to_float32(alpha)
+    products = A.double() * x.double()
+    largest = products[5].abs().argmax()
+    dropped, doubled, neighbour = exact.clone(), exact.clone(), exact.clone()
+    dropped[5] -= a32 * products[5, largest]
+    doubled[5] += a32 * products[5, largest]
+    neighbour[5] = exact[6]
+    alpha_in_bfloat16 = torch.tensor(a32).bfloat16().double()
+    rounded_alpha = alpha_in_bfloat16 * products.sum(1) + reference.to_float32(beta) * y.double()
+    for impl, bound in kernel_bounds(alpha, A, x, beta, y, exact):
+        assert_within_bound(exact.to(dtype), exact, bound, f"{impl} the exact answer")
+        for wrong in (dropped, doubled, neighbour, rounded_alpha):
+            with pytest.raises(AssertionError, match="outside the bound"):
+                assert_within_bound(wrong.to(dtype), exact, bound, impl)
+    torch_bound = error_bound("torch", alpha, A, x, beta, y, exact)
+    assert_within_bound(rounded_alpha.to(dtype), exact, torch_bound, "torch")
+
+
+def test_roundings_at_h200_sizes():
+    """At m = n = 16384 (the benchmark's largest square) every kernel's k stays in the tens or
+    low hundreds, against the serial bound's n + 2 for torch."""
+    n = 16384
+    assert triton_roundings(n, torch.float32, "row") == 1 + 63 + 8 + 2
+    assert triton_roundings(n, torch.bfloat16, "col") == 0 + 127 + 7 + 2
+    if cute_impl is not None:
+        assert cute_roundings(n, torch.float32, "row") == 1 + 7 + 4 + 5 + 2 + 2
+        assert cute_roundings(n, torch.bfloat16, "col") == 0 + 255 + 1 + 5 + 2
+    for dtype in (torch.float32, torch.bfloat16):
+        for layout in LAYOUTS:
+            assert gamma(triton_roundings(n, dtype, layout), U32) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grids_fill_the_h200(dtype):
+    """At m = 16384 each mapping starts at least 256 programs or blocks, about two per SM of the
+    H200's 132, so no SM idles on the benchmark's largest square."""
+    m = 16384
+    for layout in LAYOUTS:
+        assert m // triton_impl.tile_shape(layout, dtype)[0] >= 256
+    if cute_impl is not None:
+        assert m // cute_impl.ROWS_PER_BLOCK >= 256
+        vector_elems = cute_impl.VECTOR_BYTES // dtype.itemsize
+        assert m // (cute_impl.THREADS_PER_COLUMN * vector_elems) >= 256
+
+
+# Compiles triton_impl's kernel for sm_90 without a GPU and prints, per dtype and layout, how
+# many 128-bit global loads its PTX has, for a contiguous A and for one whose stride along the
+# contiguous dimension is not known to be 1 (the control). Run in a child process, because
+# under TRITON_INTERPRET=1 the kernel is an interpreted function the compiler cannot take.
+TRITON_PTX_SCRIPT = """
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_impl
+
+def vector_loads(dtype, layout, a_contiguous):
+    block_m, block_n = triton_impl.tile_shape(layout, dtype)
+    constexprs = {"READ_A": True, "READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "LOG2_BLOCK_N": block_n.bit_length() - 1, "stride_x": 1, "stride_y": 1}
+    if a_contiguous:
+        constexprs["stride_an" if layout == "row" else "stride_am"] = 1
+    element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    kinds = {"a_ptr": "*" + element, "x_ptr": "*" + element, "y_ptr": "*" + element,
+             "alpha": "fp32", "beta": "fp32"}
+    names = triton_impl.gemv_kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in names}
+    # What Triton assumes of a contiguous A whose sizes are multiples of 16: 16-byte aligned
+    # pointers and 16-divisible m, n and leading stride.
+    lead = "stride_am" if layout == "row" else "stride_an"
+    aligned = ["a_ptr", "x_ptr", "y_ptr", "m", "n", lead]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(triton_impl.gemv_kernel, signature, constexprs, attrs)
+    target = GPUTarget("cuda", 90, 32)
+    options = {"num_warps": triton_impl.NUM_WARPS}
+    compiled = triton.compile(source, target=target, options=options)
+    return compiled.asm["ptx"].count("ld.global.v4")
+
+print(json.dumps({f"{dtype} {layout}": [vector_loads(getattr(torch, dtype), layout, contiguous)
+                                        for contiguous in (True, False)]
+                  for dtype in ("float32", "bfloat16") for layout in ("row", "col")}))
+"""
+
+
+@pytest.fixture(scope="module")
+def triton_loads():
+    """{'dtype layout': [128-bit loads for a contiguous A, for the control]}"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_PTX_SCRIPT],
+        cwd=HERE, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    return json.loads(child.stdout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_ptx(triton_loads, layout, dtype):
+    """For a contiguous A of either layout (sizes multiples of 16) the Triton kernel compiles
+    for sm_90 with 128-bit loads of A: more of them than when A's stride is not known to be 1
+    (x and y may still load as vectors then). Each tile shape puts the threads along the
+    contiguous dimension, as README.md's two mappings need."""
+    contiguous, control = triton_loads[f"{dtype} {layout}"]
+    assert contiguous > control
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(layout, dtype):
+    """The CuTe kernels build for sm_90a with 128-bit vector loads of A on the fast path (none
+    in the any-stride build), one barrier for the shared-memory step, and, row-major, the warp
+    shuffles README.md counts; the column-major sum needs none."""
+    vector, scalar = cute_impl.ptx_of(dtype, layout, True), cute_impl.ptx_of(dtype, layout, False)
+    assert "ld.global.v4" in vector and "ld.global.v4" not in scalar
+    assert "bar.sync" in vector and "bar.sync" in scalar
+    shuffles = layout == "row"
+    assert ("shfl.sync.bfly" in vector) == shuffles and ("shfl.sync.bfly" in scalar) == shuffles
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+def test_cute_alpha_zero_reads_nothing():
+    """The alpha == 0 build has no load of A or x: its only global load is y's."""
+    ptx = cute_impl.ptx_of(torch.float32, "row", True, read_a=False)
+    assert ptx.count("ld.global") == 1 and "shfl.sync" not in ptx
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["vector", "any-stride"])
+def test_cute_thread_value_layouts(layout, dtype, contiguous):
+    """The kernels' thread-value layouts, run on the host, put register k of thread t where
+    README.md says, in the vector and the any-stride build alike and for the tile and the
+    element copy alike (so x and A registers pair up, and the row sums are the rows'):
+    row-major, element 128 v (k div v) + v t + (k mod v) of the row's tile; column-major,
+    row (t mod 8) v + (k mod v) and column (t div 8) + 32 (k div v) of the block's tile."""
+    v = cute_impl.VECTOR_BYTES // dtype.itemsize
+    threads = [0, 1, 7, 8, 9, 31, 32, 127] + ([] if layout == "row" else [128, 200, 255])
+    found = cute_impl.register_coordinates(dtype, layout, contiguous, threads)
+    for (t, _), coords in found.items():
+        assert len(coords) == cute_impl.LANES_PER_THREAD
+        for k, coord in enumerate(coords):
+            if layout == "row":
+                expected = cute_impl.THREADS_PER_ROW * v * (k // v) + v * t + k % v
+            else:
+                expected = ((t % 8) * v + k % v, t // 8 + cute_impl.COLUMN_THREADS * (k // v))
+            assert coord == expected, f"thread {t} register {k}: {coord}, not {expected}"
+
+
+def float64_gemv(alpha, A, x, beta, y, rows=4096):
+    """The stand-in for reference.gemv where Python is too slow: float64 products (exact)
+    summed by torch in float64, then alpha * sum + beta * y in float64, a block of rows at a
+    time so that the float64 copies stay small."""
+    a32, b32 = reference.to_float32(float(alpha)), reference.to_float32(float(beta))
+    blocks = []
+    for s in range(0, A.shape[0], rows):
+        block = a32 * (A[s : s + rows].double() @ x.double())
+        blocks.append(block + b32 * y[s : s + rows].double())
+    return torch.cat(blocks).cpu()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (300, 4097)], ids=str)
+def test_stand_in_matches_reference(shape):
+    """float64_gemv agrees with reference.gemv within float64's serial bound gamma_{n+2}
+    (any order of the sum, then the multiply and the add) plus the reference's gamma_3."""
+    m, n = shape
+    A = random_matrix(m, n, torch.bfloat16, "row")
+    x, y = random_vector(n, torch.bfloat16), random_vector(m, torch.bfloat16)
+    exact = reference.gemv(ALPHA, A.cpu(), x.cpu(), BETA, y.cpu())
+    stand_in = float64_gemv(ALPHA, A, x, BETA, y, rows=16)
+    a32, b32 = reference.to_float32(ALPHA), reference.to_float32(BETA)
+    W = abs(a32) * abs_row_sums(A, x) + abs(b32) * y.cpu().double().abs()
+    assert_within_bound(stand_in, exact, (gamma(n + 2, U64) + gamma(3, U64)) * W)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="A of 2**31 elements and more needs a GPU (4.3 GiB)")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_more_than_2_to_31_elements(impl, layout):
+    """m = 2**16 + 1, n = 2**15 + 3 in bfloat16: 2.148e9 elements, so the last rows (row-major)
+    or columns (column-major) start past 2**31 and a 32-bit offset would wrap and read the
+    wrong ones. Checked against float64_gemv, with its own error in the bound."""
+    m, n, dtype = 2**16 + 1, 2**15 + 3, torch.bfloat16
+    shape = (m, n) if layout == "row" else (n, m)
+    A = torch.randn(shape, device=DEVICE, dtype=dtype)
+    A = A if layout == "row" else A.T
+    x, y = random_vector(n, dtype), random_vector(m, dtype)
+    exact = float64_gemv(ALPHA, A, x, BETA, y)
+    bound = error_bound(impl, ALPHA, A, x, BETA, y, exact, gamma(n + 2, U64) + gamma(3, U64))
+    implementation(impl)(ALPHA, A, x, BETA, y)
+    assert_within_bound(y, exact, bound, f"{impl} {layout}")
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+                *sys.argv[1:],
+            ]
+        )
+    )

@@ -1,0 +1,139 @@
+"""gemv: y = alpha*A*x + beta*y as one Triton kernel with two tile shapes.
+
+    y_i = alpha * sum_j a_ij x_j + beta * y_i
+
+Program p owns BLOCK_M consecutive rows of A and walks along them, BLOCK_N columns at a step.
+It keeps a float32 running sum for every position of the tile, its lanes: step s adds
+a_ij x_j into lane (i, j mod BLOCK_N), so the BLOCK_N lanes of a row are independent sums and
+a tile's products are added side by side rather than in one chain. After the last step
+`pairwise_sum_rows` folds each row's lanes into one sum with a fixed tree, and the row is
+finished in float32 registers, alpha * sum + beta * y_i, and rounded once when y_i is stored.
+No program needs another's result, so there are no atomics and every addition is fixed by the
+shape: the same inputs give the same bits on every run.
+
+What differs between a row-major and a column-major A is only the tile's shape, because a
+warp reads fast only when its threads touch adjacent addresses (README.md, "Two mappings"):
+
+row-major    the rows are contiguous: a wide tile, 16 rows by 1 KiB of columns, whose rows
+             are read as runs of 16-byte vectors; the lanes of a row sit in different threads
+             and the final tree crosses them.
+column-major the columns are contiguous: a tall tile, 128 bytes of rows (one cache line of each
+             column) by 128 columns; each thread holds a few rows of several columns, so most
+             of its accumulation is over columns inside its own registers.
+
+Triton picks which threads hold which elements from the strides it sees (a stride of 1 is
+specialised at compile time), so one kernel serves both; `tile_shape` chooses the tile.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands, to_float32
+
+# 16 KiB of A per program and step: over 8 warps, 64 bytes (four 16-byte loads) per thread in
+# flight, and the lanes stay in registers (16 float32 per thread, 32 for 16-bit data): 48 to 78
+# registers per thread for a contiguous A (ptxas on the sm_90 PTX), so 3 to 5 programs per SM.
+TILE_BYTES = 16384
+NUM_WARPS = 8
+# Row-major: 16 rows per program, so m = 16384 makes 1024 programs for the H200's 132 SMs.
+ROWS_PER_ROW_TILE = 16
+# Column-major: each column's part of the tile is one 128-byte cache line (32 float32 or 64
+# 16-bit rows), so m = 16384 still makes 512 (float32) or 256 (16-bit) programs.
+COLUMN_RUN_BYTES = 128
+
+
+def mapping(A):
+    """'col' when A's rows are adjacent in memory (column-major, A.stride(0) < A.stride(1)),
+    else 'row': the contiguous dimension, or the nearer one for a strided view."""
+    return "col" if A.stride(0) < A.stride(1) else "row"
+
+
+def tile_shape(layout, dtype):
+    """(BLOCK_M, BLOCK_N) for the 'row' or 'col' mapping of a matrix of `dtype`."""
+    if layout == "row":
+        return ROWS_PER_ROW_TILE, TILE_BYTES // (ROWS_PER_ROW_TILE * dtype.itemsize)
+    return COLUMN_RUN_BYTES // dtype.itemsize, TILE_BYTES // COLUMN_RUN_BYTES
+
+
+@triton.jit
+def pairwise_sum_rows(values, LEVELS: tl.constexpr):
+    """The row sums of a [rows, 2**LEVELS] float32 block: add neighbours in pairs, LEVELS
+    times, so that each value passes through exactly LEVELS additions, on the GPU and in the
+    interpreter alike (tl.sum over a whole row would leave the tree to the compiler)."""
+    for _ in tl.static_range(LEVELS):
+        values = tl.sum(tl.reshape(values, [values.shape[0], values.shape[1] // 2, 2]), axis=2)
+    return tl.sum(values, axis=1)  # a single value per row is left: this adds nothing
+
+
+@triton.jit
+def gemv_kernel(
+    a_ptr, x_ptr, y_ptr, m, n, stride_am, stride_an, stride_x, stride_y, alpha, beta,
+    READ_A: tl.constexpr, READ_Y: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: A may hold 2**31 elements and more
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = offs_m < m
+    result = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # "Not read" is a compile-time choice: the alpha == 0 variant has no load of A or x at all.
+    if READ_A:
+        row_ptrs = a_ptr + offs_m[:, None] * stride_am
+        lanes = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Full column steps mask only the rows. That mask is constant along a row, so it does
+        # not stop the compiler from merging a row-major row into 16-byte loads; in a
+        # column-major tile it runs along the contiguous dimension and is constant over 16
+        # rows when m is a multiple of 16, which is also when the columns start 16-byte
+        # aligned. The columns of the last step, when partial, pay for their own mask.
+        full_cols_stop = n // BLOCK_N * BLOCK_N
+        for col_start in range(0, full_cols_stop, BLOCK_N):
+            offs_n = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            a = tl.load(row_ptrs + offs_n[None, :] * stride_an, mask=row_in[:, None], other=0.0)
+            x = tl.load(x_ptr + offs_n * stride_x)
+            # Widening is exact, and so is the product of two widened 16-bit values; on the
+            # GPU each multiply and add fuse into one FMA.
+            lanes += a.to(tl.float32) * x.to(tl.float32)[None, :]
+        if full_cols_stop < n:
+            offs_n = (full_cols_stop + tl.arange(0, BLOCK_N)).to(tl.int64)
+            col_in = offs_n < n
+            in_bounds = row_in[:, None] & col_in[None, :]
+            a = tl.load(row_ptrs + offs_n[None, :] * stride_an, mask=in_bounds, other=0.0)
+            x = tl.load(x_ptr + offs_n * stride_x, mask=col_in, other=0.0)
+            lanes += a.to(tl.float32) * x.to(tl.float32)[None, :]  # lanes past n add 0
+        result = alpha * pairwise_sum_rows(lanes, LOG2_BLOCK_N)
+    y_ptrs = y_ptr + offs_m * stride_y
+    if READ_Y:
+        result += beta * tl.load(y_ptrs, mask=row_in).to(tl.float32)  # 0 + v is exact
+    tl.store(y_ptrs, result.to(y_ptr.dtype.element_ty), mask=row_in)
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def gemv(alpha, A, x, beta, y):
+    check_operands(alpha, A, x, beta, y)
+    device = on_device_of(y)
+    m, n = A.shape
+    if m == 0:
+        return y
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    block_m, block_n = tile_shape(mapping(A), A.dtype)
+    with device:
+        gemv_kernel[(triton.cdiv(m, block_m),)](
+            A, x, y, m, n, A.stride(0), A.stride(1), x.stride(0), y.stride(0), alpha32, beta32,
+            READ_A=alpha32 != 0.0 and n > 0, READ_Y=beta32 != 0.0,
+            BLOCK_M=block_m, BLOCK_N=block_n, LOG2_BLOCK_N=block_n.bit_length() - 1,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return y

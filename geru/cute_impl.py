@@ -1,0 +1,298 @@
+"""geru in the CuTe DSL: A = A + alpha * x * y^T.
+
+The math
+--------
+    a_ij <- round_to_dtype( fl32( fl32(alpha32 * x_i) * y_j + a_ij ) )
+
+alpha is rounded to float32 once, on the host (alpha32). Every element is widened to float32
+(exact), the product and the sum are float32 (the compiler fuses them into one fma.rn.f32, which
+skips a rounding and stays inside README.md's bound), and the result is rounded once, to nearest
+even, by the conversion back to the storage dtype before the store. The kernel reads and writes
+each element of A once and reads x and y once per tile: 2mn + a little elements of traffic, and
+the time is bounded by 2*m*n*s / (memory bandwidth), s bytes per element. alpha32 == 0 launches
+nothing: x and y are not read and A keeps its bits.
+
+How the loops over i and j are mapped onto the GPU
+--------------------------------------------------
+* The kernel sees every matrix as row-major: its rows are the dimension that does not step by
+  one element, its columns the one that does (`reference.fastest_dim`). For a row-major A that
+  is A itself; for a column-major A the launcher hands the kernel the layout of A^T,
+  (n, m) : (stride_an, stride_am), and x and y swap places in the broadcast layouts below. The
+  kernel's code is the same for both: only layouts change, never the arithmetic, so a row-major
+  A and a column-major copy of it get the same bits.
+* x and y enter as broadcast tensors of A's shape: X = (rows, cols) : (stride_x, 0) gives x_i at
+  every (i, j), Y = (rows, cols) : (0, stride_y) gives y_j. Tiling and partitioning X and Y with
+  the same tiler and thread-value layout as A hands each thread exactly the x_i and y_j of its own
+  elements of A; the stride 0 is a compile-time constant, so the compiler loads each distinct
+  x_i or y_j once per thread, not once per element.
+* A block of 256 threads owns a tile of 8 rows x 1 KiB (256 float32 or 512 16-bit elements).
+  The thread-value (TV) layout: threads (4, 64) : (64, 1), 64 side by side along a row and 4
+  rows of them; values (1, v), each thread v adjacent elements of a row, v = 16 bytes / element
+  size. On each load instruction the 32 threads of a warp touch 32 adjacent 16-byte vectors, 512
+  contiguous bytes of one row (a coalesced access), and the tiled copy repeats the pattern over
+  the tile: two vectors per thread, rows r and r + 4.
+* Blocks walk the tiles in row order (tile (r, c) is block r * tiles_per_row + c), so the blocks
+  resident at a time sweep A in address order; the grid is 1-D, whose limit is 2**31 - 1 blocks
+  (a 2-D grid's second dimension stops at 65535).
+* Rows whose elements are contiguous and start on 16-byte boundaries (A's address 16-byte
+  aligned, its row stride a multiple of v) are moved as 16-byte vectors: one 128-bit
+  ld.global/st.global per vector, with the column stride the compile-time constant 1 and the
+  row stride promised divisible by v (`cute.assume`), which is what lets CuTe prove every vector
+  aligned. Anything else (sliced rows, both strides above 1) compiles the same kernel with
+  1-element accesses, at any stride.
+* Tiles that lie inside A are updated without a bounds check. Edge tiles, those that hang over
+  the last row or column, keep the same thread-to-element map but move element by element, each
+  guarded by a predicate (its coordinate, read from an identity tensor, is < (rows, cols)): CuTe
+  predicates a whole copy atom, so a predicated copy must move one element per atom. The loads of
+  x and y in an edge tile are guarded by the same predicates, so nothing outside x, y or A is read.
+* Indices reach 2**31 and beyond: rows, cols, every stride and the tile coordinates are 64-bit
+  integers, so every address computed from them is 64-bit.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import check_operands, fastest_dim, to_float32
+
+# 256 threads = 8 warps per block.
+THREADS_PER_BLOCK = 256
+# The widest load/store a thread can issue: 128 bits.
+VECTOR_BYTES = 16
+# The tile, as in triton_impl: 1 KiB along a row (64 threads of one 16-byte vector, two warps),
+# 8 rows across, so 8 KiB of A per block and two vectors per thread. A chip-filling matrix,
+# 16384 x 16384 float32, is 131072 blocks, some 124 waves of the H200's 132 SMs.
+TILE_ROW_BYTES = 1024
+TILE_ROWS = 8
+THREADS_ALONG_ROW = TILE_ROW_BYTES // VECTOR_BYTES  # 64
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+@cute.jit
+def load_broadcast(element_atom, mine, in_bounds):
+    """This thread's x or y values (`mine`, a partition of X or Y), widened to float32. One
+    element per access: a broadcast operand has stride 0 along one mode, never a vector."""
+    registers = cute.make_rmem_tensor(mine.shape, mine.element_type)
+    cute.copy(element_atom, mine, registers, pred=in_bounds)
+    return registers.load().to(cutlass.Float32)
+
+
+@cute.jit
+def update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, in_bounds):
+    """a <- a + (alpha x) y on this thread's share of one tile (in_bounds None: all of it)."""
+    # A is read, then written: the universal copy's source and destination layouts are the
+    # same, so one partition serves both directions.
+    a_mine = thread_copy.partition_S(a_tile)
+    a_registers = cute.make_rmem_tensor_like(a_mine)
+    cute.copy(thread_copy, a_mine, a_registers, pred=in_bounds)
+    alpha_x = alpha * load_broadcast(element_atom, thread_copy.partition_S(x_tile), in_bounds)
+    y = load_broadcast(element_atom, thread_copy.partition_S(y_tile), in_bounds)
+    result = a_registers.load().to(cutlass.Float32) + alpha_x * y
+    a_registers.store(result.to(a_registers.element_type))
+    cute.copy(thread_copy, a_registers, a_mine, pred=in_bounds)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, coord_tile, rows, cols):
+    """The predicate tensor: True where this thread's element has coordinates < (rows, cols)."""
+    coords = thread_copy.partition_S(coord_tile)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], (rows, cols))
+    return mask
+
+
+@cute.kernel
+def geru_kernel(
+    a: cute.Tensor,
+    x: cute.Tensor,
+    y: cute.Tensor,
+    rows: cutlass.Int64,
+    cols: cutlass.Int64,
+    tiles_per_row: cutlass.Int64,
+    alpha: cutlass.Float32,
+    vector_copy: cute.TiledCopy,
+    element_copy: cute.TiledCopy,
+    element_atom: cute.CopyAtom,
+    tile: cutlass.Constexpr,
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    # blockIdx is a 32-bit register: widen it before it meets the 64-bit tile arithmetic.
+    block = cutlass.Int64(block_idx)
+    tile_coord = (block // tiles_per_row, block % tiles_per_row)
+    a_tile = cute.local_tile(a, tile, tile_coord)
+    x_tile = cute.local_tile(x, tile, tile_coord)
+    y_tile = cute.local_tile(y, tile, tile_coord)
+    # rows and cols come from their own 64-bit arguments, never from a.shape: CuTe DSL 4.8.1
+    # truncates a dynamic shape read back from a tensor to 32 bits.
+    inside_rows = (tile_coord[0] + 1) * tile[0] <= rows
+    inside_cols = (tile_coord[1] + 1) * tile[1] <= cols
+    if inside_rows & inside_cols:
+        thread_copy = vector_copy.get_slice(thread)
+        update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        identity = cute.make_identity_tensor((rows, cols))
+        coord_tile = cute.local_tile(identity, tile, tile_coord)
+        in_bounds = in_bounds_mask(thread_copy, coord_tile, rows, cols)
+        update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, in_bounds)
+
+
+def row_major_layout(rows, cols, row_stride, col_stride, vector_elems):
+    """The layout (i, j) -> i*row_stride + j*col_stride as the kernel sees A. A vector build
+    fixes the column stride to the compile-time constant 1 (col_stride is ignored) and promises
+    a row stride divisible by the vector, so that CuTe can prove each 16-byte access aligned."""
+    if cutlass.const_expr(vector_elems == 1):
+        return cute.make_layout((rows, cols), stride=(row_stride, col_stride))
+    return cute.make_layout((rows, cols), stride=(cute.assume(row_stride, divby=vector_elems), 1))
+
+
+@cute.jit
+def launch_geru(
+    x_address: cutlass.Int64,
+    y_address: cutlass.Int64,
+    a_address: cutlass.Int64,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    x_stride: cutlass.Int64,
+    y_stride: cutlass.Int64,
+    a_row_stride: cutlass.Int64,
+    a_col_stride: cutlass.Int64,
+    alpha: cutlass.Float32,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    vector_elems: cutlass.Constexpr[int],
+    rows_contiguous: cutlass.Constexpr[bool],
+):
+    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
+    # 16 bytes for A in a vector build, one element otherwise.
+    elem_bytes = dtype.width // 8
+    a_ptr = cute.make_ptr(
+        dtype, a_address, cute.AddressSpace.gmem, assumed_align=elem_bytes * vector_elems
+    )
+    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=elem_bytes)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=elem_bytes)
+    # The kernel's rows and columns: A's own when its rows are contiguous, else those of A^T.
+    # Either way X holds x_i wherever A holds a_ij, and Y holds y_j.
+    if cutlass.const_expr(rows_contiguous):
+        rows, cols, row_stride, col_stride = m, n, a_row_stride, a_col_stride
+        x_layout = cute.make_layout((m, n), stride=(x_stride, 0))
+        y_layout = cute.make_layout((m, n), stride=(0, y_stride))
+    else:
+        rows, cols, row_stride, col_stride = n, m, a_col_stride, a_row_stride
+        x_layout = cute.make_layout((n, m), stride=(0, x_stride))
+        y_layout = cute.make_layout((n, m), stride=(y_stride, 0))
+    a = cute.make_tensor(a_ptr, row_major_layout(rows, cols, row_stride, col_stride, vector_elems))
+    x = cute.make_tensor(x_ptr, x_layout)
+    y = cute.make_tensor(y_ptr, y_layout)
+
+    # The TV layout: 64 threads side by side along a row, 4 rows of them (thread t sits at
+    # (t // 64, t % 64)), each holding one 16-byte vector's worth of adjacent elements of its row.
+    # It is the same in both builds: only the copy atom, the width of one access, changes.
+    elems_per_vector = VECTOR_BYTES // elem_bytes
+    thread_rows = THREADS_PER_BLOCK // THREADS_ALONG_ROW
+    thread_layout = cute.make_layout(
+        (thread_rows, THREADS_ALONG_ROW), stride=(THREADS_ALONG_ROW, 1)
+    )
+    value_layout = cute.make_layout((1, elems_per_vector))
+    tile = (TILE_ROWS, THREADS_ALONG_ROW * elems_per_vector)
+    vector_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * vector_elems
+    )
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    vector_copy = cute.make_tiled_copy_tv(vector_atom, thread_layout, value_layout)
+    element_copy = cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout)
+
+    tiles_per_row = (cols + tile[1] - 1) // tile[1]
+    tiles = (rows + tile[0] - 1) // tile[0] * tiles_per_row
+    kernel = geru_kernel(
+        a, x, y, rows, cols, tiles_per_row, alpha, vector_copy, element_copy, element_atom, tile
+    )
+    kernel.launch(grid=[tiles, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+
+
+def elements_per_access(dtype, vector_friendly):
+    """16 // element size for the vector build, 1 for the any-stride build."""
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def build(dtype, vector_elems, rows_contiguous, options=""):
+    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    if vector_elems not in (1, elements_per_access(dtype, True)):
+        raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    return cute.compile(
+        launch_geru, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1.0, cute.runtime.make_fake_stream(),
+        TORCH_TO_CUTLASS[dtype], vector_elems, rows_contiguous, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, vector_elems, rows_contiguous):
+    """The compiled geru for torch `dtype`, moving `vector_elems` elements of A per access, with
+    the tile's rows along A's rows (rows_contiguous) or along its columns; built once (about a
+    second) and cached. Compiling needs no GPU."""
+    return build(dtype, vector_elems, rows_contiguous)
+
+
+def ptx_of(dtype, contiguous, rows_contiguous=True):
+    """The PTX of the vector build (contiguous=True) or of the any-stride build, for sm_90a
+    (H200): what the tests read to check for 128-bit loads and stores."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        vector_elems = elements_per_access(dtype, contiguous)
+        return build(dtype, vector_elems, rows_contiguous, options).__ptx__
+
+
+def steps(A):
+    """A's strides, with 0 for a dim of size 1: it never steps, and 0 keeps the vector build's
+    promise (a row stride divisible by the vector) true whatever torch reports for it."""
+    return tuple(
+        stride if size > 1 else 0 for size, stride in zip(A.shape, A.stride(), strict=True)
+    )
+
+
+def is_vector_friendly(A):
+    """Rows, as the kernel sees A, of adjacent elements that all start on 16-byte boundaries."""
+    inner = fastest_dim(A)
+    step, vector_elems = steps(A), VECTOR_BYTES // A.element_size()
+    return (
+        step[inner] in (0, 1)
+        and step[1 - inner] % vector_elems == 0
+        and A.data_ptr() % VECTOR_BYTES == 0
+    )
+
+
+def geru(alpha, x, y, A):
+    """A = A + alpha x y^T for a CUDA matrix A and vectors x, y of one dtype, in float32;
+    returns A."""
+    check_operands(alpha, x, y, A)
+    if A.device.type != "cuda":
+        raise ValueError(f"x, y and A are on {A.device}; the CuTe kernel needs CUDA tensors")
+    alpha32 = to_float32(float(alpha))
+    m, n = A.shape
+    if alpha32 == 0.0 or m == 0 or n == 0:  # alpha == 0: x and y are not read, A not written
+        return A
+    vector_elems = elements_per_access(A.dtype, is_vector_friendly(A))
+    kernel = compile_kernel(A.dtype, vector_elems, fastest_dim(A) == 1)
+    stride_m, stride_n = steps(A)
+    # Launch on torch's current stream of A's GPU: ordered with the caller's torch work,
+    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
+    with torch.cuda.device(A.device):
+        kernel(
+            x.data_ptr(), y.data_ptr(), A.data_ptr(), m, n, x.stride(0), y.stride(0),
+            stride_m, stride_n, alpha32,
+            cuda.CUstream(torch.cuda.current_stream(A.device).cuda_stream),
+        )  # fmt: skip
+    return A

@@ -1,0 +1,138 @@
+"""geru: A = A + alpha * x * y^T as a Triton kernel.
+
+    a_ij <- fl_s( fl32( fl32(alpha32 * x_i) * y_j + a_ij ) )
+
+A is cut into tiles of BLOCK_M x BLOCK_N elements and program `pid` of a 1-D grid owns one tile:
+it loads its BLOCK_M elements of x once and scales them by alpha, loads its BLOCK_N elements of
+y once, and updates the tile with one multiply-add per element (the compiler fuses it into an
+FMA), in float32 registers, rounding once at the store. Every element of A is read and written
+once, x and y once per tile: 2mn elements of traffic plus a little, the minimum.
+
+The tile's long side follows the dimension in which A is contiguous (`reference.fastest_dim`):
+8 rows x 1 KiB for a row-major A, 1 KiB x 8 columns for a column-major one. Triton specialises a
+stride equal to 1 into a constant and lays the threads of each warp along the dimension whose
+pointers it then sees as contiguous, so the same source gives 16-byte vector accesses in both
+orientations. README.md explains why the tile must be oriented with the data.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands, fastest_dim, to_float32
+
+# The tile: 1 KiB along the contiguous dimension (256 float32 or 512 16-bit elements: 64 threads
+# of 16-byte vectors, two warps side by side), 8 rows or columns across it. 8 KiB of A per
+# program over 8 warps is two 16-byte vectors per thread, between the 4 KiB (one vector) that
+# measured best for the BLAS-1 kernels and a taller tile that would reload y less often; at
+# 16384 x 16384 float32 it is 131072 programs, some 124 waves of the H200's 132 SMs.
+TILE_CONTIGUOUS_BYTES = 1024
+TILE_ACROSS = 8
+NUM_WARPS = 8
+
+
+@triton.jit
+def update_tile(a_ptrs, alpha_x, y, in_tile):
+    """a <- a + alpha_x[i] * y[j] on one tile, rounded once at the store; in_tile None: all."""
+    a = tl.load(a_ptrs, mask=in_tile).to(tl.float32)
+    result = a + alpha_x[:, None] * y[None, :]
+    tl.store(a_ptrs, result.to(a_ptrs.dtype.element_ty), mask=in_tile)
+
+
+@triton.jit
+def geru_kernel(
+    x_ptr, y_ptr, a_ptr, m, n, stride_x, stride_y, stride_am, stride_an, alpha, tiles_along,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    # Neighbouring programs take neighbouring tiles along the contiguous dimension (tiles_along
+    # of them per row of tiles), so the programs resident at any moment sweep A in address
+    # order, as a copy would.
+    pid = tl.program_id(0)
+    tile_along, tile_across = pid % tiles_along, pid // tiles_along
+    if ROWS_CONTIGUOUS:
+        tile_m, tile_n = tile_across, tile_along
+    else:
+        tile_m, tile_n = tile_along, tile_across
+    # 64-bit offsets: A may hold 2**31 elements or more.
+    offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = offs_m < m, offs_n < n
+    # float32 arithmetic for every dtype (the interpreter also mishandles bf16 arithmetic).
+    alpha_x = alpha * tl.load(x_ptr + offs_m * stride_x, mask=in_m).to(tl.float32)
+    y = tl.load(y_ptr + offs_n * stride_y, mask=in_n).to(tl.float32)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_n[None, :] * stride_an
+    # Tiles inside A go without a mask: Triton vectorises a masked access only as far as it can
+    # prove the mask constant, and `offs_n < n` is not when n is not a multiple of 16, even
+    # where the rows themselves are 16-byte aligned (a slice A = B[:, :1001] of an aligned B).
+    if ((tile_m + 1) * BLOCK_M <= m) & ((tile_n + 1) * BLOCK_N <= n):
+        update_tile(a_ptrs, alpha_x, y, None)
+    else:
+        update_tile(a_ptrs, alpha_x, y, in_m[:, None] & in_n[None, :])
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def tile_shape(A):
+    """(BLOCK_M, BLOCK_N, rows contiguous): the tile with its long side along fastest_dim(A)."""
+    long_side = TILE_CONTIGUOUS_BYTES // A.element_size()
+    if fastest_dim(A) == 1:
+        return TILE_ACROSS, long_side, True
+    return long_side, TILE_ACROSS, False
+
+
+def ptx_of(dtype, rows_contiguous, sizes_divisible_by_16=True):
+    """The PTX for sm_90 (H200) of the kernel as the launcher specialises it for a contiguous
+    x, y and an A with a unit stride along its rows (rows_contiguous) or columns, its address
+    and other stride multiples of 16, and m, n multiples of 16 or not. Triton compiles without a
+    GPU; under TRITON_INTERPRET=1 @triton.jit gives interpreted functions, which cannot be."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    long_side = TILE_CONTIGUOUS_BYTES // dtype.itemsize
+    if rows_contiguous:
+        block_m, block_n, unit, pitch = TILE_ACROSS, long_side, "stride_an", "stride_am"
+    else:
+        block_m, block_n, unit, pitch = long_side, TILE_ACROSS, "stride_am", "stride_an"
+    names = list(geru_kernel.arg_names)
+    signature = dict.fromkeys(names, "constexpr")
+    signature.update(x_ptr=f"*{element}", y_ptr=f"*{element}", a_ptr=f"*{element}")
+    signature.update(m="i32", n="i32", alpha="fp32", tiles_along="i32", **{pitch: "i32"})
+    constexprs = {"stride_x": 1, "stride_y": 1, unit: 1, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    constexprs["ROWS_CONTIGUOUS"] = rows_contiguous
+    divisible = ["x_ptr", "y_ptr", "a_ptr", pitch] + (["m", "n"] if sizes_divisible_by_16 else [])
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(geru_kernel, signature, constexprs, attrs)
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(source, target=target, options={"num_warps": NUM_WARPS}).asm["ptx"]
+
+
+def geru(alpha, x, y, A):
+    check_operands(alpha, x, y, A)
+    device = on_device_of(A)
+    alpha32 = to_float32(float(alpha))
+    m, n = A.shape
+    if alpha32 == 0.0 or m == 0 or n == 0:  # alpha == 0: x and y are not read, A not written
+        return A
+    block_m, block_n, rows_contiguous = tile_shape(A)
+    tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    tiles_along = tiles_n if rows_contiguous else tiles_m
+    with device:
+        geru_kernel[(tiles_m * tiles_n,)](
+            x, y, A, m, n, x.stride(0), y.stride(0), A.stride(0), A.stride(1), alpha32, tiles_along,
+            BLOCK_M=block_m, BLOCK_N=block_n, ROWS_CONTIGUOUS=rows_contiguous,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return A
