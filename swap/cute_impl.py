@@ -56,34 +56,28 @@ TORCH_TO_CUTLASS = {
 
 
 @cute.jit
-def swap_tile(thread_copy, x_tile, y_tile):
-    """Swap this thread's share of a full tile through registers."""
+def swap_tile(thread_copy, x_tile, y_tile, in_bounds):
+    """Swap this thread's share of one tile through registers (in_bounds None: all of it)."""
     # Each tensor is read, then written: the universal copy's source and destination layouts
     # are the same, so one partition of each serves for both directions.
     x_mine = thread_copy.partition_S(x_tile)
     y_mine = thread_copy.partition_S(y_tile)
     x_registers = cute.make_rmem_tensor_like(x_mine)
     y_registers = cute.make_rmem_tensor_like(y_mine)
-    cute.copy(thread_copy, x_mine, x_registers)
-    cute.copy(thread_copy, y_mine, y_registers)
-    cute.copy(thread_copy, x_registers, y_mine)
-    cute.copy(thread_copy, y_registers, x_mine)
+    cute.copy(thread_copy, x_mine, x_registers, pred=in_bounds)
+    cute.copy(thread_copy, y_mine, y_registers, pred=in_bounds)
+    cute.copy(thread_copy, x_registers, y_mine, pred=in_bounds)
+    cute.copy(thread_copy, y_registers, x_mine, pred=in_bounds)
 
 
 @cute.jit
-def swap_tail(thread_copy, x_tile, y_tile, coord_tile, n):
-    """The last tile, one element at a time in a loop the compiler does not unroll: each
-    element's coordinate (from the identity tensor) is compared with n just before its swap.
-    The unrolled form, a predicate tensor beside register copies of both tiles, keeps a 64-bit
-    coordinate per element live and, for 16-bit data, doubled the whole kernel's registers."""
-    x_mine = thread_copy.partition_S(x_tile)
-    y_mine = thread_copy.partition_S(y_tile)
+def in_bounds_mask(thread_copy, coord_tile, n):
+    """The predicate tensor: True where this thread's element has an index < n."""
     coords = thread_copy.partition_S(coord_tile)
-    for i in cutlass.range(cute.size(x_mine)):
-        if cute.elem_less(coords[i], n):
-            x_value = x_mine[i]
-            x_mine[i] = y_mine[i]
-            y_mine[i] = x_value
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
 
 
 @cute.kernel
@@ -105,11 +99,11 @@ def swap_kernel(
     # n comes from its own 64-bit argument, never from x.shape: CuTe DSL 4.8.1 truncates a
     # dynamic shape read back from a tensor to 32 bits.
     if (block + 1) * tile_elems <= n:
-        swap_tile(vector_copy.get_slice(thread), x_tile, y_tile)
+        swap_tile(vector_copy.get_slice(thread), x_tile, y_tile, None)
     else:
         thread_copy = element_copy.get_slice(thread)
         coord_tile = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (block,))
-        swap_tail(thread_copy, x_tile, y_tile, coord_tile, n)
+        swap_tile(thread_copy, x_tile, y_tile, in_bounds_mask(thread_copy, coord_tile, n))
 
 
 def vector_layout(n, stride, vector_elems):
