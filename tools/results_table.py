@@ -6,9 +6,9 @@ LOGS is the `logs` folder of the archive tools/gpu-run writes: `<folder>.test.lo
 `<folder>.results.json` and `<folder>.perf.png` for each kernel folder. For each folder this
 copies results.json and perf.png into the folder, rewrites the block between `<!-- results -->`
 and `<!-- /results -->` in its README with the table at the largest size, and rewrites the
-kernels table of the top-level README. An implementation gets its mark only if the folder's
-test log on the GPU shows it passing and never failing.
-"""
+kernels table of the top-level README (a folder with nothing in LOGS is listed unmarked). An
+implementation gets its mark only if the folder's test log on the GPU shows it passing and never
+failing."""
 
 import json
 import math
@@ -124,7 +124,12 @@ def main(logs):
         folder = ROOT / name
         results_file, test_log = logs / f"{name}.results.json", logs / f"{name}.test.log"
         if not results_file.exists() or not test_log.exists():
-            raise SystemExit(f"{logs}: no results or test log for {name}")
+            print(f"{name}: no results or test log in {logs}; listed as not yet run on the H200")
+            table.append(
+                f"| [{name}]({name}/README.md) | {description} | `{equation}` | {flops} | {data} | "
+                f"[✓]({name}/reference.py) | | | | [test.py]({name}/test.py) | not yet run |"
+            )
+            continue
         shutil.copy(results_file, folder / "results.json")
         shutil.copy(logs / f"{name}.perf.png", folder / "perf.png")
         results = json.loads(results_file.read_text())
