@@ -9,7 +9,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-BLAS = ["copy", "swap", "scal", "axpby", "dot", "gemv", "geru"]
+BLAS = ["copy", "swap", "scal", "axpby", "dot", "gemv", "geru", "gemm"]
 TRANSFORMER = []  # sub-folders of transformer/
 
 nox.options.default_venv_backend = "virtualenv"

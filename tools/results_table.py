@@ -27,6 +27,7 @@ KERNELS = {
     "dot": ("inner product", "z = x^T y", "2n", "2n"),
     "gemv": ("matrix-vector product", "y = alpha A x + beta y", "2mn", "mn + n + 2m"),
     "geru": ("rank-1 update", "A = A + alpha x y^T", "2mn", "2mn + m + n"),
+    "gemm": ("matrix product", "C = alpha A B + beta C", "2mnk", "mk + kn + 2mn"),
 }
 FILES = {"Python": "reference.py", "PyTorch": "torch_impl.py", "Triton": "triton_impl.py"}
 FILES["CuTe"] = "cute_impl.py"

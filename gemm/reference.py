@@ -1,0 +1,120 @@
+"""gemm: C = alpha*A@B + beta*C, the definition.
+
+    c_ij = alpha32 * sum_{l=0}^{k-1} a_il b_lj + beta32 * c_ij     i < m, j < n
+
+A is m x k, B is k x n, C is m x n, each with any strides torch can produce, so the four
+layouts of BLAS (NN, NT, TN, TT: A or B given as the transpose of a contiguous matrix) are
+just four stride patterns of the same call. As in BLAS, the scalars live in the precision of
+the computation, float32 for every storage dtype: alpha and beta are first rounded to float32
+(alpha32, beta32). Every element is a float32 number (float16 and bfloat16 widen exactly), so
+each product a_il b_lj (at most 48 significant bits) and beta32 * c_ij are exact in Python's
+float64, and `math.fsum` adds the k products of an entry with a single rounding. alpha32 * S_ij
+is a second rounding and the final fsum of the two terms a third, so this returns
+
+    r_ij = fl64( fl64(alpha32 * fl64(S_ij)) + beta32 c_ij ),  |r_ij - c_ij| <= gamma_3(2**-53) W_ij,
+
+W_ij = |alpha32| sum_l |a_il b_lj| + |beta32 c_ij|, with nothing able to underflow or overflow
+in float64 (products of float32 numbers lie between 2**-298 and 2**256).
+
+BLAS's corner semantics are part of the definition: beta == 0 means C is not read (a NaN in C
+does not propagate), alpha == 0 means A and B are not read (C = beta*C; both zero: C = 0), and
+k == 0 gives C = beta*C. C is written while A and B are read, so it may share no memory with
+either, and no two of its elements may share an address (no stride 0). `check_operands` says
+which inputs are valid (every implementation calls it before launching anything) and `gemm`
+what the answer is, as plain Python over Python floats. It returns a new float64 tensor of
+shape (m, n) and mutates nothing.
+"""
+
+import math
+import numbers
+import struct
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def address_range(t):
+    """[first byte, one past the last byte] that the elements of t occupy (torch strides are
+    never negative); None for an empty tensor."""
+    if t.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+
+
+def may_share_memory(a, b):
+    """True when a and b live in one storage and their address ranges meet (numpy's
+    may_share_memory test): interleaved views that never touch also count as sharing."""
+    range_a, range_b = address_range(a), address_range(b)
+    if range_a is None or range_b is None:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return range_a[0] < range_b[1] and range_b[0] < range_a[1]
+
+
+def to_float32(value):
+    """Round a Python float to the nearest float32 (ties to even), overflowing to infinity."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # struct refuses values that round past the largest float32
+        return math.copysign(math.inf, value)
+
+
+def check_operands(alpha, A, B, beta, C):
+    """Raise TypeError/ValueError, naming the operand, for anything gemm does not accept."""
+    for name, scalar in (("alpha", alpha), ("beta", beta)):
+        if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
+            raise TypeError(f"{name} must be a real Python number, got {type(scalar).__name__}")
+    for name, t in (("A", A), ("B", B), ("C", C)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D matrix, got a tensor of shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    for name, t in (("B", B), ("C", C)):
+        if t.dtype != A.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but A has {A.dtype}; gemm does not convert"
+            )
+        if t.device != A.device:
+            raise ValueError(f"{name} is on {t.device} but A is on {A.device}")
+    (m, k), (k_b, n) = A.shape, B.shape
+    if k_b != k:
+        raise ValueError(f"B has {k_b} rows but A has {k} columns")
+    if tuple(C.shape) != (m, n):
+        raise ValueError(f"C has shape {tuple(C.shape)} but A @ B has shape {(m, n)}")
+    for dim, name in ((0, "rows"), (1, "columns")):
+        if C.shape[dim] > 1 and C.stride(dim) == 0:
+            raise ValueError(f"C has stride 0 along its {name}: its elements overlap")
+    for name, t in (("A", A), ("B", B)):
+        if may_share_memory(C, t):
+            raise ValueError(f"C overlaps {name}: gemm writes C while it reads {name}")
+
+
+def exact_sum(terms):
+    """The correctly rounded sum; fsum refuses infinities and NaN, where IEEE addition is exact."""
+    if all(math.isfinite(t) for t in terms):
+        return math.fsum(terms)
+    return sum(terms)
+
+
+def gemm(alpha, A, B, beta, C):
+    check_operands(alpha, A, B, beta, C)
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    columns_of_B = B.T.tolist()
+    result = []
+    for row_of_A, row_of_C in zip(A.tolist(), C.tolist(), strict=True):
+        out_row = []
+        for column_of_B, c_ij in zip(columns_of_B, row_of_C, strict=True):
+            terms = []
+            if alpha32 != 0.0:  # alpha == 0: A and B are not read
+                products = [a * b for a, b in zip(row_of_A, column_of_B, strict=True)]
+                terms.append(alpha32 * exact_sum(products))
+            if beta32 != 0.0:  # beta == 0: C is not read
+                terms.append(beta32 * c_ij)
+            out_row.append(exact_sum(terms))
+        result.append(out_row)
+    return torch.tensor(result, dtype=torch.float64).reshape(C.shape)

@@ -1,0 +1,592 @@
+"""Tests for gemm: every implementation lands within the bound README.md derives.
+
+Run with `python test.py` (or `nox -s gemm` from the top). Without a GPU, torch runs on the CPU
+and Triton under its interpreter, on small shapes; the CuTe kernel is still to come, and its
+tests skip, saying why, until cute_impl.py exists.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+from common.tolerance import (
+    assert_matches_rounded,
+    assert_same_bits,
+    assert_within_bound,
+    gamma,
+    store_roundoff,
+    underflow,
+    unit_roundoff,
+)
+
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+# NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
+LAYOUTS = ["NN", "NT", "TN", "TT"]
+# (m, n, k): 1x1x1, primes, and the edges of the 64 x 64 tiles and of BLOCK_K (32 float32,
+# 64 16-bit values). test_large_tiles covers the 128 x 128 configuration, test_grouped_order
+# more tile rows than GROUP_M.
+SHAPES = [
+    (1, 1, 1), (2, 3, 5), (7, 1, 13), (1, 17, 3), (13, 11, 31), (64, 64, 32), (65, 63, 33),
+    (31, 67, 65), (3, 5, 129),
+]  # fmt: skip
+ALPHA, BETA = 0.3, -1.7  # the scalars of most tests: neither term dominates
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+U_TF32 = 2.0**-11  # TF32 keeps 10 fraction bits: 11 significant bits, as float16
+# Triton hands float32 bits to wgmma without a cvt.rna.tf32 (test_triton_ptx), and the tensor
+# cores drop the low 13 bits: a chop, which moves an input by up to 2u, not u.
+TF32_INPUT_ERROR = 2 * U_TF32
+# Storage-dtype roundings torch may add on each term (README.md, "torch_impl.py").
+TORCH_EXTRA_ROUNDINGS = 2
+# reference.py's own error, in units of W_ij = |alpha| T_ij + |beta c_ij| (its docstring).
+REFERENCE_ERROR = gamma(3, U64)
+
+
+def convert_bfloat16_like_the_gpu():
+    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
+    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
+    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
+    or the CPU run would check the wrong arithmetic."""
+    from triton.runtime import interpreter
+
+    tl, convert = interpreter.tl, interpreter._convert_float
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
+def index_scalars_with_item():
+    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
+    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
+    over runtime bounds, such as the kernel's walk along k, fails. Use .item()."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    interpreter._patch_lang_tensor = patch_with_item
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    convert_bfloat16_like_the_gpu()
+    index_scalars_with_item()
+
+
+def entry_point(name):
+    """The implementation's gemm. CuTe's can be called without a GPU: it validates, then refuses."""
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl.gemm if name == "cute" else modules[name].gemm
+
+
+def implementation(name):
+    """The implementation's gemm, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU")
+    return entry_point(name)
+
+
+def random_matrix(rows, cols, dtype, transposed=False):
+    """Fresh random (rows, cols) values, row-major, or the transpose of a contiguous matrix."""
+    if transposed:
+        return torch.randn(cols, rows, device=DEVICE).to(dtype).T
+    return torch.randn(rows, cols, device=DEVICE).to(dtype)
+
+
+def operands(m, n, k, dtype, layout):
+    """(A, B, C) for one of NN, NT, TN, TT; C row-major."""
+    A = random_matrix(m, k, dtype, layout[0] == "T")
+    B = random_matrix(k, n, dtype, layout[1] == "T")
+    return A, B, random_matrix(m, n, dtype)
+
+
+def abs_product(A, B, rows=1024):
+    """T = |A| |B| in float64 (each product of float32 numbers is exact; float64 sums add a
+    relative gamma_k(2**-53) that the bound's float32 gammas dwarf), a block of rows at a time."""
+    B_abs = B.double().abs()
+    blocks = [A[s : s + rows].double().abs() @ B_abs for s in range(0, A.shape[0], rows)]
+    if not blocks:
+        return torch.zeros(0, B.shape[1], dtype=torch.float64)
+    return torch.cat(blocks).cpu()
+
+
+def roundings(impl, k, dtype, allow_tf32=False):
+    """README.md's count of roundings on one term alpha a_il b_lj's way to c_ij.
+
+    The product: one for float32 data in IEEE mode, none for 16-bit or TF32 inputs, whose
+    products (at most 11 + 11 significant bits) are exact in float32. The sum: tl.dot's order
+    inside a tile is not documented, and the accumulator enters the tensor cores' chain, so each
+    step is bounded as a serial sum of acc and its BLOCK_K products; additions of the masked
+    zeros are exact, so k additions in all, whatever BLOCK_K is. torch's library order is
+    undocumented too: also k. Then alpha * acc and the addition of beta * c: two."""
+    product = 1 if dtype == torch.float32 and not allow_tf32 else 0
+    return product + k + 2
+
+
+def error_bound(impl, alpha, A, B, beta, C, exact, exact_error=REFERENCE_ERROR, allow_tf32=False):
+    """README.md's bound on |c_hat_ij - c_ij|:
+
+        u_s |c| + (1 + u_s) (c_a |a| T + c_b |b c| + (1 + c_a) |a| k e + 2 (1 + u) e) + e_s
+
+    a, b the float32 scalars, T = |A||B|, u_s the store's unit roundoff (0 for float32), e and
+    e_s the absolute error of a float32 and of a storing rounding among the subnormals,
+    c_a = gamma_r with r from `roundings` (times (1 + 2 U_TF32)**2 for TF32's chopped inputs),
+    c_b = gamma_2. torch may round each term up to TORCH_EXTRA_ROUNDINGS more times to the
+    storage dtype (and add their subnormal errors). The exact answer is known to within
+    exact_error * W, W = |a| T + |b c|: gamma_3 of float64 for reference.py."""
+    (m, k), n, dtype = A.shape, B.shape[1], A.dtype
+    a32, b32 = reference.to_float32(float(alpha)), reference.to_float32(float(beta))
+    zeros = torch.zeros(m, n, dtype=torch.float64)
+    alpha_part = abs(a32) * abs_product(A, B) if a32 != 0 and k > 0 else zeros
+    beta_part = abs(b32) * C.cpu().double().abs() if b32 != 0 else zeros
+    u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
+    tf32 = allow_tf32 and dtype == torch.float32
+    input_error = (1 + TF32_INPUT_ERROR) ** (2 * tf32)
+    c_a = (1 + gamma(roundings(impl, k, dtype, tf32), U32)) * input_error - 1
+    c_b = gamma(2, U32)
+    if impl == "torch":
+        extra = (1 + u_s) ** TORCH_EXTRA_ROUNDINGS
+        c_a, c_b = extra * (1 + c_a) - 1, extra * (1 + c_b) - 1
+        e = e + TORCH_EXTRA_ROUNDINGS * e_s
+    float32_error = c_a * alpha_part + c_b * beta_part + (1 + c_a) * abs(a32) * k * e
+    bound = u_s * exact.abs() + (1 + u_s) * (float32_error + 2 * (1 + U32) * e) + e_s
+    return bound + (1 + u_s) * exact_error * (alpha_part + beta_part)
+
+
+def check(impl, alpha, A, B, beta, C, what="", allow_tf32=False):
+    """Run impl in place on C and check it against the reference within the bound."""
+    exact = reference.gemm(alpha, A.cpu(), B.cpu(), beta, C.cpu())
+    bound = error_bound(impl, alpha, A, B, beta, C, exact, allow_tf32=allow_tf32)
+    result = implementation(impl)(alpha, A, B, beta, C, allow_tf32=allow_tf32)
+    assert result is C
+    assert_within_bound(C, exact, bound, f"{impl} {tuple(A.shape)}x{tuple(B.shape)} {what}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(impl, layout, dtype, shape):
+    m, n, k = shape
+    A, B, C = operands(m, n, k, dtype, layout)
+    check(impl, ALPHA, A, B, BETA, C, layout)
+
+
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_tiles(monkeypatch, layout, dtype):
+    """The 128 x 128 configuration, which the rule picks only for a C of 132 tiles or more (too
+    big for the interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once."""
+    large = triton_impl.configuration(4096, 4096, dtype)
+    assert large["BLOCK_M"] == large["BLOCK_N"] == 128
+    monkeypatch.setattr(triton_impl, "configuration", lambda m, n, dtype: large)
+    A, B, C = operands(129, 130, 65, dtype, layout)
+    check("triton", ALPHA, A, B, BETA, C, "128 x 128 tiles")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_grouped_order(impl):
+    """577 rows make 10 tile rows: one full group of GROUP_M = 8 and a short one of 2, whose
+    tiles must all be computed once and in their right place."""
+    A, B, C = operands(577, 130, 3, torch.float32, "NT")
+    check(impl, ALPHA, A, B, BETA, C, "two groups")
+
+
+def test_configuration_rule():
+    """BLOCK_K is 128 bytes of a row; 128 x 128 tiles once C has at least one per H200 SM."""
+    for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
+        assert triton_impl.configuration(16384, 4096, dtype)["BLOCK_K"] == block_k
+    assert triton_impl.configuration(256, 256, torch.bfloat16)["BLOCK_M"] == 64
+    assert triton_impl.configuration(1536, 1408, torch.bfloat16)["BLOCK_M"] == 128
+
+
+MARGIN = 3  # rows and columns of NaN around a guarded matrix
+
+
+def guarded(values, transposed):
+    """A view of `values` inside a NaN-filled buffer with MARGIN rows and columns on each side
+    and every other column skipped (transposed: the same, laid out column-major)."""
+    rows, cols = values.shape
+    if transposed:
+        view, buffer = guarded(values.T, False)
+        return view.T, buffer
+    buffer = torch.full(
+        (rows + 2 * MARGIN, 2 * cols + 2 * MARGIN), float("nan"), device=DEVICE, dtype=values.dtype
+    )
+    view = buffer[MARGIN : MARGIN + rows, MARGIN : MARGIN + 2 * cols : 2]
+    view.copy_(values)
+    return view, buffer
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+@pytest.mark.parametrize("c_transposed", [False, True], ids=["C row-major", "C col-major"])
+def test_views_inside_guard(impl, dtype, layout, c_transposed):
+    """A, B and C strided views into NaN: a read outside A or B makes C NaN, every element of C
+    must be written (its old value is far from the new one), and nothing around or between C's
+    elements may change."""
+    m, n, k = 37, 19, 41
+    A, _ = guarded(random_matrix(m, k, dtype), layout[0] == "T")
+    B, _ = guarded(random_matrix(k, n, dtype), layout[1] == "T")
+    C, C_buffer = guarded(random_matrix(m, n, dtype), c_transposed)
+    A_before, B_before = A.clone(), B.clone()
+    check(impl, ALPHA, A, B, BETA, C, f"{layout} guarded")
+    inside = torch.zeros_like(C_buffer, dtype=torch.bool)
+    inside.as_strided(C.shape, C.stride(), C.storage_offset()).fill_(True)
+    assert C_buffer[~inside].isnan().all(), "an element outside C was written"
+    assert_same_bits(A, A_before, "A after the call")
+    assert_same_bits(B, B_before, "B after the call")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_scalars_do_not_read(impl, dtype):
+    """beta == 0 ignores NaN in C; alpha == 0 ignores NaN in A and B (C = beta*C); both zero
+    give +0 without reading anything."""
+    m, n, k = 20, 30, 40
+    nan_C = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)
+    nan_A = torch.full((m, k), float("nan"), device=DEVICE, dtype=dtype)
+    nan_B = torch.full((k, n), float("nan"), device=DEVICE, dtype=dtype)
+    A, B, C = operands(m, n, k, dtype, "NT")
+    check(impl, ALPHA, A, B, 0.0, nan_C.clone(), "beta = 0")
+    check(impl, 0.0, nan_A, nan_B, BETA, C.clone(), "alpha = 0")
+    check(impl, 1e-50, nan_A, nan_B, BETA, C.clone(), "alpha rounds to 0")
+    out = nan_C.clone()
+    implementation(impl)(0.0, nan_A, nan_B, 0.0, out)
+    assert_same_bits(out, torch.zeros_like(out), "alpha = beta = 0")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_empty_shapes(impl, dtype):
+    """m == 0 or n == 0 leaves the empty C alone; k == 0 is the empty sum, C = beta*C (C = 0
+    for beta == 0, even over NaN)."""
+    gemm = implementation(impl)
+    for m, n in ((0, 5), (5, 0)):
+        C = torch.empty(m, n, device=DEVICE, dtype=dtype)
+        A, B = random_matrix(m, 4, dtype), random_matrix(4, n, dtype)
+        assert gemm(ALPHA, A, B, BETA, C) is C
+    A, B = random_matrix(9, 0, dtype), random_matrix(0, 7, dtype)
+    check(impl, ALPHA, A, B, BETA, random_matrix(9, 7, dtype), "k = 0")
+    C = torch.full((9, 7), float("nan"), device=DEVICE, dtype=dtype)
+    gemm(ALPHA, A, B, 0.0, C)
+    assert_same_bits(C, torch.zeros_like(C), "k = 0, beta = 0")
+
+
+def test_empty_launches_nothing(monkeypatch):
+    """m == 0 or n == 0 returns C without touching the kernel."""
+    monkeypatch.setattr(triton_impl, "gemm_kernel", None)
+    C = torch.empty(0, 3, device=DEVICE)
+    assert triton_impl.gemm(1.0, torch.ones(0, 4, device=DEVICE), torch.ones(4, 3), 1.0, C) is C
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["nan in A", "inf in B", "nan in C"])
+def test_special_values(impl, dtype, case):
+    """NaN and infinities in read operands propagate as IEEE says: the exact result must come
+    back exactly, NaN where NaN, the same infinity where one infinite term meets finite ones."""
+    A, B, C = operands(20, 70, 45, dtype, "TN")
+    if case == "nan in A":
+        A[3, 40] = float("nan")
+    elif case == "inf in B":
+        B[33, 9] = float("inf")
+    else:
+        C[4, 5] = float("nan")
+    check(impl, ALPHA, A, B, BETA, C, case)
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scalars_rounded_to_float32(impl, dtype):
+    """alpha = 1 + 2**-8 + 2**-20 and beta = 1, A = B = 1 (k = 1), C = -1: the kernels compute
+    alpha32 * 1 - 1 exactly in float32, so C must be alpha32 - 1 rounded once."""
+    alpha = 1 + 2**-8 + 2**-20
+    A = torch.ones(5, 1, device=DEVICE, dtype=dtype)
+    B = torch.ones(1, 3, device=DEVICE, dtype=dtype)
+    C = torch.full((5, 3), -1.0, device=DEVICE, dtype=dtype)
+    implementation(impl)(alpha, A, B, 1.0, C)
+    assert_matches_rounded(C, torch.full((5, 3), reference.to_float32(alpha) - 1.0).double())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeatability(impl, dtype):
+    """Two runs on the same inputs give the same bits: the summation order depends on the shape
+    and the configuration only."""
+    gemm = implementation(impl)
+    A, B, C = operands(67, 70, 300, dtype, "NT")
+    first, second = C.clone(), C.clone()
+    gemm(ALPHA, A, B, BETA, first)
+    gemm(ALPHA, A, B, BETA, second)
+    assert_same_bits(second, first)
+
+
+def tf32(values):
+    """float32 values rounded to TF32's 11 significant bits, to nearest (ties away), as floats."""
+    bits = values.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_tf32_within_its_bound(impl, layout):
+    """allow_tf32=True: the result lies within the bound with TF32's u = 2**-11 (2u: a chop) on
+    each input.
+    (The CPU computes IEEE float32 here, which satisfies it; on the GPU this is TF32.)"""
+    A, B, C = operands(45, 70, 300, torch.float32, layout)
+    check(impl, ALPHA, A, B, BETA, C, "tf32", allow_tf32=True)
+
+
+def test_tf32_flag_is_restored():
+    """torch_impl sets torch's process-wide float32 matmul flag for the call only."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.fp32_precision
+    for allow, inside in ((True, "tf32"), (False, "ieee")):
+        with torch_impl.float32_matmul_precision(torch.device("cuda"), allow):
+            assert flags.fp32_precision == inside
+        assert flags.fp32_precision == saved
+
+
+def problem(m, n, k):
+    """A bfloat16 problem on the CPU and its exact answer, for the negative controls."""
+    A, B, C = (t.cpu() for t in operands(m, n, k, torch.bfloat16, "NN"))
+    return A, B, C, reference.gemm(ALPHA, A, B, BETA, C)
+
+
+def kernel_impls():
+    return ["torch", "triton"] + (["cute"] if cute_impl is not None else [])
+
+
+def test_negative_controls():
+    """Every bound rejects a result that dropped or doubled the largest term of one entry, or
+    took an entry from the neighbouring row."""
+    A, B, C, exact = problem(64, 64, 256)
+    a32 = reference.to_float32(ALPHA)
+    products = A[5].double() * B[:, 7].double()
+    largest = products.abs().argmax()
+    dropped, doubled, neighbour = exact.clone(), exact.clone(), exact.clone()
+    dropped[5, 7] -= a32 * products[largest]
+    doubled[5, 7] += a32 * products[largest]
+    neighbour[5] = exact[6]
+    for impl in kernel_impls():
+        bound = error_bound(impl, ALPHA, A, B, BETA, C, exact)
+        assert_within_bound(exact.to(torch.bfloat16), exact, bound, f"{impl} the exact answer")
+        for wrong in (dropped, doubled, neighbour):
+            with pytest.raises(AssertionError, match="outside the bound"):
+                assert_within_bound(wrong.to(torch.bfloat16), exact, bound, impl)
+
+
+def test_tf32_negative_control():
+    """A float32 product computed from TF32-rounded inputs passes the TF32 bound and fails the
+    IEEE one: the default bound catches TF32 leaking into a float32 gemm."""
+    A, B, C = operands(64, 64, 256, torch.float32, "NN")
+    A, B, C = A.cpu(), B.cpu(), C.cpu()
+    exact = reference.gemm(ALPHA, A, B, BETA, C)
+    a32, b32 = reference.to_float32(ALPHA), reference.to_float32(BETA)
+    leaked = (a32 * (tf32(A).double() @ tf32(B).double()) + b32 * C.double()).float()
+    for impl in kernel_impls():
+        tf32_bound = error_bound(impl, ALPHA, A, B, BETA, C, exact, allow_tf32=True)
+        assert_within_bound(leaked, exact, tf32_bound, f"{impl} TF32")
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(leaked, exact, error_bound(impl, ALPHA, A, B, BETA, C, exact))
+
+
+# Compiles triton_impl's kernel for sm_90 without a GPU and reports, per dtype and input
+# precision, how many wgmma instructions its PTX has and whether it rounds inputs to TF32 first.
+# Run in a child process: under TRITON_INTERPRET=1 the kernel cannot be compiled.
+TRITON_PTX_SCRIPT = """
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_impl
+
+def ptx(dtype, precision):
+    config = triton_impl.configuration(4096, 4096, dtype)
+    constexprs = {"READ_AB": True, "READ_C": True, "INPUT_PRECISION": precision, "UPCAST": False,
+                  "GROUP_M": triton_impl.GROUP_M, "stride_ak": 1, "stride_bn": 1, "stride_cn": 1,
+                  **{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    element = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    kinds = {"a_ptr": element, "b_ptr": element, "c_ptr": element, "alpha": "fp32", "beta": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in triton_impl.gemm_kernel.arg_names}
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    source = ASTSource(triton_impl.gemm_kernel, signature, constexprs)
+    text = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return [text.count("wgmma.mma_async"), "cvt.rna.tf32" in text]
+
+print(json.dumps({f"{dtype} {precision}": ptx(getattr(torch, dtype), precision)
+                  for dtype, precision in (("bfloat16", "ieee"), ("float16", "ieee"),
+                                           ("float32", "ieee"), ("float32", "tf32"))}))
+"""
+
+
+def test_triton_ptx():
+    """Built for sm_90, the kernel runs its 16-bit and TF32 tiles on wgmma, keeps IEEE float32
+    off the tensor cores, and passes TF32 inputs unrounded (the chop the TF32 bound allows)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_PTX_SCRIPT],
+        cwd=HERE, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    found = json.loads(child.stdout)
+    assert found["bfloat16 ieee"][0] > 0 and found["float16 ieee"][0] > 0
+    assert found["float32 ieee"][0] == 0
+    tf32_wgmma, tf32_rounded = found["float32 tf32"]
+    assert tf32_wgmma > 0 and not tf32_rounded
+
+
+def bad_inputs():
+    """(alpha, A, B, beta, C, expected error, words the message must contain)"""
+    f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    A, B, C = f32(3, 4), f32(4, 5), f32(3, 5)
+    buffer = f32(60)
+    yield torch.tensor(1.0), A, B, 1.0, C, TypeError, "alpha must be a real"
+    yield 1.0, A, B, True, C, TypeError, "beta must be a real"
+    yield 1.0, A.tolist(), B, 1.0, C, TypeError, "A must be a torch.Tensor"
+    yield 1.0, A, None, 1.0, C, TypeError, "B must be a torch.Tensor"
+    yield 1.0, A, B, 1.0, C.numpy(force=True), TypeError, "C must be a torch.Tensor"
+    yield 1.0, f32(12), B, 1.0, C, ValueError, "A must be a 2-D"
+    yield 1.0, A, f32(4, 5, 1), 1.0, C, ValueError, "B must be a 2-D"
+    yield 1.0, A, B, 1.0, f32(15), ValueError, "C must be a 2-D"
+    yield 1.0, A, f32(5, 5), 1.0, C, ValueError, "B has 5 rows but A has 4 columns"
+    yield 1.0, A, B, 1.0, f32(5, 3), ValueError, r"C has shape \(5, 3\)"
+    yield 1.0, A.double(), B.double(), 1.0, C.double(), TypeError, "A has dtype torch.float64"
+    yield 1.0, A.int(), B.int(), 1.0, C.int(), TypeError, "supported"
+    yield 1.0, A, B.half(), 1.0, C, TypeError, "B has dtype torch.float16 but A"
+    yield 1.0, A.bfloat16(), B.bfloat16(), 1.0, C, TypeError, "C has dtype torch.float32 but A"
+    yield 1.0, A, B, 1.0, f32(1, 5).expand(3, 5), ValueError, "C has stride 0 along its rows"
+    yield 1.0, A, B, 1.0, f32(3, 1).expand(3, 5), ValueError, "C has stride 0 along its columns"
+    yield 1.0, buffer[:12].view(3, 4), B, 1.0, buffer[10:25].view(3, 5), ValueError, "C overlaps A"
+    yield 1.0, A, buffer[20:40].view(4, 5), 1.0, buffer[39:54].view(3, 5), ValueError, "overlaps B"
+    yield 1.0, A, B, 1.0, A[:, :1].expand(3, 5)[:, :5], ValueError, "C has stride 0"
+    if ON_GPU:
+        yield 1.0, A, B.cpu(), 1.0, C, ValueError, "B is on cpu"
+        yield 1.0, A, B, 1.0, C.cpu(), ValueError, "C is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from check_operands, before any launch, so CuTe is checked on the CPU too."""
+    *args, error, words = case
+    C = args[4]
+    before = C.clone() if isinstance(C, torch.Tensor) else None
+    with pytest.raises(error, match=words):
+        entry_point(impl)(*args)
+    if before is not None:
+        assert_same_bits(C.reshape(-1), before.reshape(-1), "C after a rejected call")
+
+
+def float64_gemm(alpha, A, B, beta, C, rows=1024):
+    """The stand-in for reference.gemm where Python is too slow: float64 products (exact)
+    summed by torch in float64, then alpha * sum + beta * c in float64, a block of rows at a
+    time so that the float64 copies stay small."""
+    a32, b32 = reference.to_float32(float(alpha)), reference.to_float32(float(beta))
+    B64 = B.double()
+    blocks = []
+    for s in range(0, A.shape[0], rows):
+        block = a32 * (A[s : s + rows].double() @ B64)
+        blocks.append((block + b32 * C[s : s + rows].double()).cpu())
+    return torch.cat(blocks)
+
+
+STAND_IN_ERROR = lambda k: gamma(k + 2, U64) + gamma(3, U64)  # noqa: E731
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (37, 29, 300), (20, 30, 1025)], ids=str)
+def test_stand_in_matches_reference(shape):
+    """float64_gemm agrees with reference.gemm within float64's serial bound gamma_{k+2} (any
+    order of the sum, then the multiply and the add) plus the reference's gamma_3."""
+    m, n, k = shape
+    A, B, C = operands(m, n, k, torch.bfloat16, "NT")
+    exact = reference.gemm(ALPHA, A.cpu(), B.cpu(), BETA, C.cpu())
+    stand_in = float64_gemm(ALPHA, A, B, BETA, C, rows=16)
+    a32, b32 = reference.to_float32(ALPHA), reference.to_float32(BETA)
+    W = abs(a32) * abs_product(A, B) + abs(b32) * C.cpu().double().abs()
+    assert_within_bound(stand_in, exact, STAND_IN_ERROR(k) * W)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_against_float64(impl, layout, dtype):
+    """A 4099 x 4097 x 4093 problem on the 128 x 128 configuration against float64_gemm, with
+    its own error in the bound; TF32 for float32 as well."""
+    m, n, k = 4099, 4097, 4093
+    A, B, C = operands(m, n, k, dtype, layout)
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
+        out = C.clone()
+        bound = error_bound(impl, ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k), allow_tf32)
+        implementation(impl)(ALPHA, A, B, BETA, out, allow_tf32=allow_tf32)
+        assert_within_bound(out, exact, bound, f"{impl} {layout} tf32={allow_tf32}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="A of 2**31 elements and more needs a GPU (4.3 GiB)")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_more_than_2_to_31_elements(impl, layout):
+    """m = 2**17 + 3, k = 2**14 + 1 in bfloat16: A has 2.15e9 elements, so its last rows (or,
+    transposed, columns) start past 2**31 and a 32-bit offset would wrap. n = 80 keeps B, C and
+    the float64 stand-in small."""
+    m, n, k = 2**17 + 3, 80, 2**14 + 1
+    A, B, C = operands(m, n, k, torch.bfloat16, layout)
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound(impl, ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    implementation(impl)(ALPHA, A, B, BETA, C)
+    assert_within_bound(C, exact, bound, f"{impl} {layout}")
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+                *sys.argv[1:],
+            ]
+        )
+    )

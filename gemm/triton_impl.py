@@ -1,0 +1,128 @@
+"""gemm: C = alpha*A@B + beta*C as one tiled Triton kernel.
+
+    c_ij = alpha * sum_l a_il b_lj + beta * c_ij
+
+Program p owns one BLOCK_M x BLOCK_N tile of C. It walks along k, BLOCK_K at a step, loading a
+BLOCK_M x BLOCK_K tile of A and a BLOCK_K x BLOCK_N tile of B, and `tl.dot` adds their product
+into a float32 accumulator held in registers (on Hopper, wgmma on the tensor cores). After the
+last step the tile is finished in float32, alpha * acc + beta * c, and rounded once as it is
+stored. Masks cover the tiles that hang over the edges of m, n and k: an element past the edge
+loads as 0 and adds nothing, and nothing past the edge of C is stored.
+
+Tiles are numbered so that GROUP_M consecutive programs share their tiles of B, the grouped
+order README.md explains ("Tiles to programs"): it makes the tiles running at one time touch
+fewer distinct rows of A and columns of B, so more of their loads hit in L2.
+
+No program needs another's result, so there are no atomics and every addition is fixed by the
+shape and the configuration: the same inputs give the same bits on every run.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_operands, to_float32
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Eight tiles of C along m share each tile of B before the order moves on along n.
+GROUP_M = 8
+# The H200 has 132 SMs: a 128 x 128 tile per program when that makes one tile per SM or more,
+# else 64 x 64 so that a small C still spreads over the chip.
+SM_COUNT = 132
+
+
+def configuration(m, n, dtype):
+    """The kernel's constants for an m x n C of `dtype`, by a plain rule (no autotuning yet:
+    tuning on the H200 comes next). BLOCK_K is 128 bytes of each row of an A tile, 32 float32
+    or 64 16-bit values: one cache line, and the k extent of a few wgmma instructions. A 128 x
+    128 tile with three stages in flight keeps 96 KiB of A and B tiles in shared memory, within
+    the H200's 228 KiB, and its float32 accumulator takes 64 registers per thread over 8 warps."""
+    block_k = 128 // dtype.itemsize
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= SM_COUNT:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def tile_of_program(pid, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of program pid in the grouped order: programs run down a group
+    of GROUP_M tile rows, column by column, and only then move to the next group."""
+    tiles_m = tl.cdiv(m, BLOCK_M)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    programs_per_group = GROUP_M * tiles_n
+    group = pid // programs_per_group
+    first_tile_m = group * GROUP_M
+    rows_in_group = min(tiles_m - first_tile_m, GROUP_M)  # the last group may be short
+    within = pid % programs_per_group
+    return first_tile_m + within % rows_in_group, within // rows_in_group
+
+
+@triton.jit
+def gemm_kernel(
+    a_ptr, b_ptr, c_ptr, m, n, k,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, alpha, beta,
+    READ_AB: tl.constexpr, READ_C: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    tile_m, tile_n = tile_of_program(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    # 64-bit offsets: m*k, k*n or m*n elements may pass 2**31, and row * stride with it.
+    offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in, col_in = offs_m < m, offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # "Not read" is a compile-time choice: the alpha == 0 variant has no load of A or B at all.
+    if READ_AB:
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn
+        for k_start in range(0, k, BLOCK_K):
+            offs_k = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            k_in = offs_k < k
+            a_in, b_in = row_in[:, None] & k_in[None, :], k_in[:, None] & col_in[None, :]
+            a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=a_in, other=0.0)
+            b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=b_in, other=0.0)
+            if UPCAST:  # the interpreter's dot is wrong on bfloat16 values; widening is exact
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        acc = alpha * acc
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    in_bounds = row_in[:, None] & col_in[None, :]
+    if READ_C:
+        acc += beta * tl.load(c_ptrs, mask=in_bounds).to(tl.float32)  # 0 + v is exact
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=in_bounds)
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    if INTERPRETED:
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
+    check_operands(alpha, A, B, beta, C)
+    device = on_device_of(C)
+    (m, k), n = A.shape, B.shape[1]
+    if m == 0 or n == 0:
+        return C
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    config = configuration(m, n, A.dtype)
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
+    tf32 = allow_tf32 and A.dtype == torch.float32
+    with device:
+        gemm_kernel[grid](
+            A, B, C, m, n, k, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+            C.stride(0), C.stride(1), alpha32, beta32,
+            READ_AB=alpha32 != 0.0 and k > 0, READ_C=beta32 != 0.0,
+            INPUT_PRECISION="tf32" if tf32 else "ieee",
+            UPCAST=INTERPRETED and A.dtype == torch.bfloat16, GROUP_M=GROUP_M, **config,
+        )  # fmt: skip
+    return C
