@@ -200,8 +200,12 @@ def row_major_kernel(
             cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK),
             cute.make_layout(WARPS_PER_BLOCK),
         )
+        # warp_idx() is a shfl.sync over all 32 lanes (it makes the index warp-uniform): read
+        # it where every lane is present. Inside the lane-0 branch below that shuffle waits for
+        # 31 lanes that never come, and the kernel hangs (it did, on the H200).
+        warp = cute.arch.warp_idx()
         if cute.arch.lane_idx() == 0:
-            warp_sums[cute.arch.warp_idx()] = warp_total
+            warp_sums[warp] = warp_total
         cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
         first_warp = row_in_block * WARPS_PER_ROW
         row_sum = pairwise_sum([warp_sums[first_warp + w] for w in range(WARPS_PER_ROW)])

@@ -11,14 +11,14 @@ by the same thread, so no thread ever waits for another: no barrier, no temporar
 
 How the loop over i is mapped onto the GPU
 ------------------------------------------
-* A block of 64 threads owns one tile of consecutive elements, 64 bytes per thread: 4 KiB per
+* A block of 128 threads owns one tile of consecutive elements, 32 bytes per thread: 4 KiB per
   operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
 * Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
   elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
   elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
   touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
 * Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors (v = 4 float32
-  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, four per thread
+  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, two per thread
   and operand in flight. Anything else (a step other than 1, an address off the 16-byte grid)
   compiles the very same kernel with v = 1: one element per instruction, at any stride.
 * Every block but the last holds a full tile and swaps it without a bounds check. The last block
@@ -39,14 +39,17 @@ import torch
 
 from reference import check_operands, overlap
 
-# Two warps per block.
-THREADS_PER_BLOCK = 64
+# Four warps per block.
+THREADS_PER_BLOCK = 128
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread moves per operand, and so the tile (64 threads x 64 bytes = 4 KiB). swap is
-# touchy, see README.md: of 15 shapes from 64 to 1024 threads and 16 to 64 bytes measured on the
-# H200 at n = 2**28 this was the best, 4.0 TB/s in float32 but only 3.7 in bfloat16.
-BYTES_PER_THREAD = 4 * VECTOR_BYTES
+# Bytes each thread moves per operand, and so the tile (128 threads x 32 bytes = 4 KiB). swap is
+# touchy, see README.md. Measured on the H200 at n = 2**28 with the one-pair-at-a-time tail
+# (32 registers per thread): 128 x 32 B gave 3.95 TB/s in float32 and 3.93 in bfloat16 (93%
+# of a copy); 256 x 16 B 3.69, 256 x 32 B 3.71, 512 x 16 B 3.47; every 64-byte shape fell to
+# 1.6 TB/s, because ptxas, holding the kernel to 32 registers, then issues the third and
+# fourth loads of y only after the first store, which waits for the first load of x.
+BYTES_PER_THREAD = 2 * VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
