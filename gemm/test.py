@@ -1,8 +1,8 @@
 """Tests for gemm: every implementation lands within the bound README.md derives.
 
 Run with `python test.py` (or `nox -s gemm` from the top). Without a GPU, torch runs on the CPU
-and Triton under its interpreter, on small shapes; the CuTe kernel is still to come, and its
-tests skip, saying why, until cute_impl.py exists.
+and Triton under its interpreter, on small shapes; the CuTe kernels are compiled for sm_90a and
+their PTX checked (launching them needs the GPU, and those tests skip saying so).
 """
 
 import json
@@ -45,7 +45,7 @@ IMPLS = ["torch", "triton", "cute"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
 # (m, n, k): 1x1x1, primes, and the edges of the 64 x 64 tiles and of BLOCK_K (32 float32,
-# 64 16-bit values). test_large_tiles covers the 128 x 128 configuration, test_grouped_order
+# 64 16-bit values). test_large_tiles covers the large configurations, test_grouped_order
 # more tile rows than GROUP_M.
 SHAPES = [
     (1, 1, 1), (2, 3, 5), (7, 1, 13), (1, 17, 3), (13, 11, 31), (64, 64, 32), (65, 63, 33),
@@ -208,13 +208,14 @@ def test_matches_reference(impl, layout, dtype, shape):
 @pytest.mark.parametrize("layout", ["NN", "TT"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_tiles(monkeypatch, layout, dtype):
-    """The 128 x 128 configuration, which the rule picks only for a C of 132 tiles or more (too
-    big for the interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once."""
+    """The large configuration (128 x 256 on the tensor cores, 128 x 64 for IEEE float32), which
+    the rule picks only for a C of 132 tiles or more (too big for the interpreter), forced on a
+    129 x 130 x 65 problem: every tile edge at once."""
     large = triton_impl.configuration(4096, 4096, dtype)
-    assert large["BLOCK_M"] == large["BLOCK_N"] == 128
-    monkeypatch.setattr(triton_impl, "configuration", lambda m, n, dtype: large)
+    assert large["BLOCK_M"] == 128 and large["BLOCK_N"] in (64, 256)
+    monkeypatch.setattr(triton_impl, "configuration", lambda m, n, dtype, allow_tf32: large)
     A, B, C = operands(129, 130, 65, dtype, layout)
-    check("triton", ALPHA, A, B, BETA, C, "128 x 128 tiles")
+    check("triton", ALPHA, A, B, BETA, C, "large tiles")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -226,11 +227,16 @@ def test_grouped_order(impl):
 
 
 def test_configuration_rule():
-    """BLOCK_K is 128 bytes of a row; 128 x 128 tiles once C has at least one per H200 SM."""
+    """BLOCK_K is 128 bytes of a row; the large tile once C has at least one per H200 SM:
+    128 x 256 on the tensor cores (16-bit, or float32 with TF32), 128 x 64 for IEEE float32."""
     for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
         assert triton_impl.configuration(16384, 4096, dtype)["BLOCK_K"] == block_k
     assert triton_impl.configuration(256, 256, torch.bfloat16)["BLOCK_M"] == 64
-    assert triton_impl.configuration(1536, 1408, torch.bfloat16)["BLOCK_M"] == 128
+    assert triton_impl.configuration(1536, 2816, torch.bfloat16)["BLOCK_N"] == 256  # 12 x 11
+    assert triton_impl.configuration(1536, 2560, torch.bfloat16)["BLOCK_M"] == 64  # 12 x 10
+    assert triton_impl.configuration(1536, 768, torch.float32)["BLOCK_M"] == 128  # 12 x 12
+    assert triton_impl.configuration(1536, 640, torch.float32)["BLOCK_M"] == 64  # 12 x 10
+    assert triton_impl.configuration(1536, 2816, torch.float32, True)["BLOCK_N"] == 256
 
 
 MARGIN = 3  # rows and columns of NaN around a guarded matrix
@@ -438,7 +444,7 @@ from triton.compiler import ASTSource
 import triton_impl
 
 def ptx(dtype, precision):
-    config = triton_impl.configuration(4096, 4096, dtype)
+    config = triton_impl.configuration(4096, 4096, dtype, precision == "tf32")
     constexprs = {"READ_AB": True, "READ_C": True, "INPUT_PRECISION": precision, "UPCAST": False,
                   "GROUP_M": triton_impl.GROUP_M, "stride_ak": 1, "stride_bn": 1, "stride_cn": 1,
                   **{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
@@ -549,7 +555,7 @@ def test_stand_in_matches_reference(shape):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_against_float64(impl, layout, dtype):
-    """A 4099 x 4097 x 4093 problem on the 128 x 128 configuration against float64_gemm, with
+    """A 4099 x 4097 x 4093 problem on the large configuration against float64_gemm, with
     its own error in the bound; TF32 for float32 as well."""
     m, n, k = 4099, 4097, 4093
     A, B, C = operands(m, n, k, dtype, layout)
@@ -574,6 +580,179 @@ def test_more_than_2_to_31_elements(impl, layout):
     bound = error_bound(impl, ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
     implementation(impl)(ALPHA, A, B, BETA, C)
     assert_within_bound(C, exact, bound, f"{impl} {layout}")
+
+
+# --- CuTe build checks ---
+# The CuTe kernels compile without a GPU (CUTE_DSL_ARCH=sm_90a): these tests read their PTX and
+# the host-side dispatch; the GPU tests at the end run the Hopper kernel on edge shapes whose
+# strides TMA accepts (the shapes above mostly have unaligned rows and take the plain kernel).
+needs_cute = pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+
+
+@needs_cute
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("majors", [(True, True), (True, False), (False, True), (False, False)])
+def test_cute_hopper_ptx(dtype, majors):
+    """The Hopper build loads A and B with TMA (cp.async.bulk.tensor) completing on mbarriers,
+    multiplies with wgmma (TF32 for float32, K-major only, its inputs not rounded first) and
+    splits the block into producer and consumers (setmaxnreg)."""
+    if dtype == torch.float32 and majors != (True, True):
+        pytest.skip("TF32 wgmma takes K-major operands only; float32 goes to the plain kernel")
+    ptx = cute_impl.ptx_of("hopper", dtype, *majors, tile_n=128)
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg"):
+        assert instruction in ptx, instruction
+    kind = {torch.float32: "tf32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    assert f".f32.{kind}.{kind}" in ptx and "cvt.rna.tf32" not in ptx
+
+
+@needs_cute
+@pytest.mark.parametrize("read_c", [True, False])
+def test_cute_hopper_reads_c_only_if_beta(read_c):
+    """A and B arrive by TMA, so the only plain global loads of the Hopper build are of C, and
+    the beta == 0 build has none."""
+    ptx = cute_impl.ptx_of("hopper", torch.bfloat16, tile_n=256, read_c=read_c)
+    assert ("ld.global" in ptx) == read_c
+
+
+@needs_cute
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_plain_ptx(dtype):
+    """The plain kernel is FMAs on the CUDA cores, IEEE float32 for float32: no wgmma, no TMA;
+    its alpha == 0 build loads nothing but C (its thread's 4 x 4 elements, no tiles in shared
+    memory), and with beta == 0 nothing at all."""
+    ptx = cute_impl.ptx_of("plain", dtype)
+    assert "fma.rn.f32" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
+    no_ab = cute_impl.ptx_of("plain", dtype, read_ab=False)
+    assert "ld.shared" not in no_ab and "bar.sync" not in no_ab
+    assert no_ab.count("ld.global") == cute_impl.PLAIN_PER_THREAD**2
+    assert "ld.global" not in cute_impl.ptx_of("plain", dtype, read_ab=False, read_c=False)
+
+
+def padded_matrix(rows, cols, dtype, transposed, device=DEVICE):
+    """Random (rows, cols) values in a buffer whose leading dimension is rounded up to 16
+    elements: 16-byte aligned rows (or, transposed, columns) for any rows and cols."""
+    if transposed:
+        return padded_matrix(cols, rows, dtype, False, device).T
+    buffer = torch.randn(rows, -(-cols // 16) * 16, device=device).to(dtype)
+    return buffer[:, :cols]
+
+
+@needs_cute
+def test_cute_dispatch():
+    """Which kernel takes which operands (the docstring's rules), read on CPU tensors."""
+    choose = cute_impl.choose_kernel
+    for a_t, b_t in ((False, False), (False, True), (True, False), (True, True)):
+        A = padded_matrix(37, 21, torch.bfloat16, a_t, "cpu")
+        B = padded_matrix(21, 45, torch.bfloat16, b_t, "cpu")
+        assert choose(A, B, False) == ("hopper", not a_t, b_t)
+        A32, B32 = A.float(), B.float()  # float copies are contiguous: 21 * 4 bytes per row
+        assert choose(A32, B32, True) == ("plain",)
+    A = padded_matrix(37, 21, torch.float32, False, "cpu")
+    B = padded_matrix(21, 45, torch.float32, True, "cpu")
+    assert choose(A, B, True) == ("hopper", True, True)
+    assert choose(A, B, False) == ("plain",)
+    A_t = padded_matrix(37, 21, torch.float32, True, "cpu")  # M-major: no TF32 wgmma
+    assert choose(A_t, B, True) == ("plain",)
+    A, B = padded_matrix(37, 21, torch.bfloat16, False, "cpu"), B.bfloat16()
+    assert choose(A[:, 1:], B[1:], False) == ("plain",)  # base not 16-byte aligned
+    assert choose(A[:, ::2], B[::2], False) == ("plain",)  # no stride-1 dimension
+    assert choose(torch.randn(5, 7).bfloat16(), torch.randn(7, 8).bfloat16(), False) == ("plain",)
+
+
+@needs_cute
+def test_cute_validates_before_any_cuda_call(monkeypatch):
+    """Bad operands raise check_operands' error and CPU tensors a ValueError, before a kernel is
+    compiled or a CUDA API is touched; m == 0 returns C without a launch."""
+
+    def no_kernel(*args):
+        raise AssertionError("a kernel was built")
+
+    monkeypatch.setattr(cute_impl, "compile_plain", no_kernel)
+    monkeypatch.setattr(cute_impl, "compile_hopper", no_kernel)
+    A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.gemm(1.0, A, B, 1.0, C)
+    with pytest.raises(ValueError, match="B has 5 rows"):
+        cute_impl.gemm(1.0, A, torch.randn(5, 5), 1.0, C)
+    if ON_GPU:
+        empty = torch.empty(0, 5, device="cuda")
+        assert cute_impl.gemm(1.0, A[:0].cuda(), B.cuda(), 1.0, empty) is empty
+
+
+HOPPER_SHAPES = [
+    (1, 1, 1), (2, 3, 5), (7, 1, 13), (127, 129, 63), (128, 256, 64), (129, 257, 65),
+    (61, 520, 130), (1153, 136, 8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=str)
+def test_cute_hopper_edges(monkeypatch, tile_n, layout, dtype, shape):
+    """The Hopper kernel on every tile edge (m, n, k of 1, primes, one past a tile, more tile
+    rows than GROUP_M) with TMA-friendly strides, each tile width, all four layouts. Three
+    SMs' worth of blocks, so that a block computes several tiles and the ring of buffers runs
+    on from one tile to the next."""
+    implementation("cute")  # skips without a GPU
+    monkeypatch.setattr(cute_impl, "hopper_tile_n", lambda m, n: tile_n)
+    monkeypatch.setattr(cute_impl, "sm_count", lambda device: 3)
+    m, n, k = shape
+    A = padded_matrix(m, k, dtype, layout[0] == "T")
+    B = padded_matrix(k, n, dtype, layout[1] == "T")
+    assert cute_impl.choose_kernel(A, B, False)[0] == "hopper"
+    check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, dtype, False), f"{layout} hopper")
+
+
+@pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=str)
+def test_cute_hopper_tf32(monkeypatch, shape):
+    """float32 with allow_tf32=True, A row-major and B column-major: TF32 wgmma, within the
+    TF32 bound; the corner cases beta == 0 over NaN and a transposed C on the same kernel.
+    Three blocks, each computing several tiles where there are more."""
+    implementation("cute")  # skips without a GPU
+    monkeypatch.setattr(cute_impl, "sm_count", lambda device: 3)
+    m, n, k = shape
+    A = padded_matrix(m, k, torch.float32, False)
+    B = padded_matrix(k, n, torch.float32, True)
+    assert cute_impl.choose_kernel(A, B, True)[0] == "hopper"
+    check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, torch.float32, True), "tf32", True)
+    nan_C = torch.full((m, n), float("nan"), device=DEVICE)
+    check("cute", ALPHA, A, B, 0.0, nan_C, "tf32 beta = 0", True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_hopper_large(layout, dtype):
+    """The Hopper kernel at 4099 x 4097 x 4093 (128 x 256 tiles, every edge partial) against
+    float64_gemm; float32 runs TF32 with A row-major and B column-major only."""
+    if dtype == torch.float32 and layout != "NT":
+        pytest.skip("TF32 wgmma takes K-major operands only")
+    m, n, k = 4099, 4097, 4093
+    A = padded_matrix(m, k, dtype, layout[0] == "T")
+    B = padded_matrix(k, n, dtype, layout[1] == "T")
+    C = padded_matrix(m, n, dtype, False)
+    tf32 = dtype == torch.float32
+    assert cute_impl.choose_kernel(A, B, tf32)[0] == "hopper"
+    assert cute_impl.hopper_tile_n(m, n) == 256
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k), tf32)
+    cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
+    assert_within_bound(C, exact, bound, f"cute hopper {layout}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="A of 2**31 elements and more needs a GPU (4.3 GiB)")
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_cute_hopper_more_than_2_to_31_elements(layout):
+    """The Hopper kernel on an A of 2.15e9 bfloat16 elements (sizes chosen so that TMA takes
+    both layouts): TMA's descriptor strides are 64-bit and so must the epilogue's be."""
+    m, n, k = 2**17 + 8, 80, 2**14 + 8
+    A, B, C = operands(m, n, k, torch.bfloat16, layout)
+    assert cute_impl.choose_kernel(A, B, False)[0] == "hopper"
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    cute_impl.gemm(ALPHA, A, B, BETA, C)
+    assert_within_bound(C, exact, bound, f"cute hopper {layout}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,624 @@
+"""gemm in the CuTe DSL: C = alpha*A@B + beta*C, from a plain tiled kernel to a Hopper one.
+
+The math
+--------
+    c_ij = round_to_dtype( alpha32 * s_ij + beta32 * c_ij ),   s_ij = sum_l a_il b_lj in float32
+
+alpha and beta are rounded to float32 once, on the host. Every element is widened to float32
+(exact), the k products of an entry are summed in a float32 accumulator, the tile is finished
+in float32 and rounded once, to nearest even, when it is stored. No block needs another's
+result: no atomics, and the order of every addition is fixed by the shape and the kernel, so
+the same inputs give the same bits on every run. BLAS's corner semantics are compile-time
+variants: alpha32 == 0 or k == 0 builds no load of A or B at all, beta32 == 0 no load of C.
+
+Step 1: `plain_kernel`, tiles on the CUDA cores
+-----------------------------------------------
+A block of 256 threads owns a 64 x 64 tile of C. It walks along k, 16 at a step: each thread
+loads 4 elements of the 64 x 16 tile of A and 4 of the 16 x 64 tile of B (any strides, each
+load predicated on the m, n and k edges, 0 outside), widens them to float32 into shared
+memory, and after a barrier every thread adds the 16 rank-1 updates into its own 4 x 4
+register tile: thread t owns rows t div 16 + 16 i and columns t mod 16 + 16 j, so at each
+step the 32 threads of a warp read 2 words of the A tile (broadcast) and 16 adjacent words of
+the B tile: no bank conflicts. Each update is one fma.rn.f32 (the product is not rounded on
+its own), so s_ij is a serial sum along k. This path takes what the tensor cores cannot:
+IEEE float32 (wgmma has no IEEE float32, only TF32), operands whose strides TMA refuses, and
+dimensions of 2**31 and more; its offsets are 64-bit, so matrices of 2**31 elements and more
+index correctly. It also serves alpha32 == 0 and k == 0, where nothing is multiplied.
+
+Final step: `hopper_kernel`, TMA + wgmma + warp specialisation
+--------------------------------------------------------------
+C is cut into TILE_M x tile_n tiles (128 x 256 when C has at least one such tile per SM, else
+128 x 128), and a tile's product is a walk along k in steps of 128 bytes of a row (tile_k = 64
+16-bit or 32 float32 values). The kernel is persistent: it launches one block per SM (fewer
+when C has fewer tiles), and block b computes tiles b, b + blocks, b + 2 blocks, ... in the
+grouped order of README.md ("Why the grouped order helps L2": GROUP_M tile rows, column by
+column; the blocks running together still cover consecutive tiles). A block is three
+warpgroups (384 threads) with two jobs:
+
+* Producer, warpgroup 0: one thread of warp 0 issues TMA copies (cp.async.bulk.tensor) of
+  the A tile (TILE_M x tile_k) and the B tile (tile_n x tile_k) of each k step into a ring of
+  `stages` shared-memory buffers. TMA writes each buffer in the 128-byte swizzled layout that
+  wgmma reads without bank conflicts, and zero-fills what lies past the edge of m, n or k, so
+  a partial tile adds exact zeros. Each buffer has two mbarriers: "full" completes when TMA
+  has written all its bytes (the transaction count), "empty" when both consumers are done
+  with it. The producer waits for "empty" before it reuses a buffer. The warpgroup gives
+  its registers back (setmaxnreg) to the consumers: it only computes addresses.
+* Consumers, warpgroups 1 and 2: each owns 64 rows of the tile. It waits on "full", issues
+  tile_k / k_instr wgmma.mma_async (k_instr = 16 for 16-bit data, 8 for TF32) that read A and
+  B straight from shared memory and add into a float32 accumulator in registers (64 x tile_n
+  per warpgroup: 128 registers a thread at tile_n = 256), commits them, and waits until only
+  this step's group is in flight: the previous step's buffer is then free and its "empty"
+  barrier is signalled, so TMA refills it while this step's wgmmas run. Producer and
+  consumers walk the same tiles and the ring runs on from one tile to the next, so TMA is
+  already loading the next tile while the consumers finish this one.
+* Epilogue: each consumer thread holds its accumulator fragment; for every element inside
+  (m, n) (the coordinates come from an identity tensor partitioned like the accumulator) it
+  computes alpha * acc + beta * c in float32, reading C only in the beta32 != 0 build, and
+  stores it with one rounding. C may have any strides.
+* Shared memory: the ring takes STAGE_BUDGET_BYTES = 192 KiB, 4 stages of 48 KiB at 128 x 256
+  (16 KiB of A, 32 KiB of B, in either dtype: a k step is 128 bytes of a row) or 6 stages of
+  32 KiB at 128 x 128, plus 2 mbarriers a stage: one block per SM. The consumers' code fits
+  in 168 registers with no spills (ptxas -v), under the 232 that setmaxnreg gives them.
+* TF32: CuTe DSL 4.8.1 wraps wgmma for 16-bit and 8-bit inputs only; `MmaTF32Op` builds the
+  same SM90 MMA atom with the TF32 element type (wgmma.mma_async...m64nNk8.f32.tf32.tf32).
+
+TMA needs a stride-1 dimension, the other stride and the base 16-byte aligned, and dimensions
+below 2**31 (`tma_major`). wgmma reads 16-bit A and B K-major or MN-major from shared memory,
+so NN, NT, TN and TT all run here; TF32 wgmma takes K-major operands only, so float32 with
+allow_tf32=True runs here when A is row-major and B column-major (k contiguous in both), and
+on the IEEE plain kernel otherwise, whose error is within TF32's bound.
+
+Roundings (README.md, "Counting r"): r = f + k + 2 on each term alpha a_il b_lj, whatever
+the path. The plain kernel: the first fma rounds the product, each of the k - 1 further fmas
+rounds once, then alpha * s and the addition of beta * c (k + 2: f = 0 for every dtype,
+since the fma does not round the product on its own). The Hopper kernel: 16-bit and TF32
+products are exact in float32 (f = 0); the order and the rounding of the additions inside
+one wgmma (k_instr products and the accumulator) are not documented, so each of the k / 16
+(or k / 8) steps is bounded as a serial sum, k additions in all, plus the two of the
+epilogue. TF32 inputs are the float32 bits with the low 13 bits dropped by the tensor core
+(no cvt.rna.tf32 in the PTX): a chop, 2 u_tf32 on each input, as for Triton.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.atom import make_atom
+from cutlass.cute.core import _pack_shape
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp
+from cutlass.memory import SmemAllocator
+from cutlass.utils import LayoutEnum
+
+from reference import check_operands, to_float32
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+# Tiles of C are handed to blocks in the grouped order: GROUP_M tile rows, column by column.
+GROUP_M = 8
+# The H200 has 132 SMs: the large Hopper tile when C has at least one per SM.
+SM_COUNT = 132
+
+# Step 1, the plain kernel: 256 threads, a 64 x 64 tile of C, 16 x 16 threads of 4 x 4.
+PLAIN_THREADS = 256
+PLAIN_TILE = 64
+PLAIN_TILE_K = 16
+PLAIN_THREADS_PER_ROW = 16
+PLAIN_PER_THREAD = PLAIN_TILE // PLAIN_THREADS_PER_ROW
+
+# The Hopper kernel. wgmma is issued by a warpgroup, 4 warps of 32 threads, and its M is 64:
+# two consumer warpgroups make a 128-row tile, so each B tile in shared memory feeds 128 rows.
+WARPGROUP_THREADS = 128
+CONSUMER_WARPGROUPS = 2
+HOPPER_THREADS = (1 + CONSUMER_WARPGROUPS) * WARPGROUP_THREADS
+TILE_M = 64 * CONSUMER_WARPGROUPS
+# 128 bytes of a row per k step: one swizzle atom of the 128-byte swizzle, which wgmma reads
+# without bank conflicts (64 16-bit or 32 float32 values).
+TILE_K_BYTES = 128
+# Shared memory for the ring of A and B buffers: 4 stages of 128 x 64 + 256 x 64 16-bit values
+# (48 KiB each) or 6 of 128 x 64 + 128 x 64 (32 KiB each), within the H200's 227 KiB a block.
+STAGE_BUDGET_BYTES = 192 * 1024
+# setmaxnreg: the producer only computes addresses; the consumers hold the accumulators
+# (128 float32 a thread at tile_n = 256). 128 * 40 + 256 * 232 fits the 64 Ki registers of an SM.
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+# TMA's coordinates and box counts are 32-bit: larger dimensions take the plain kernel.
+TMA_MAX_DIM = 2**31 - 1
+TMA_ALIGN_BYTES = 16
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+@cute.jit
+def tile_of_block(block, m, n, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr):
+    """(tile row, tile column) of block `block` in the grouped order: blocks run down a group
+    of GROUP_M tile rows, column by column, and only then move to the next group."""
+    tiles_m = (m + tile_m - 1) // tile_m
+    tiles_n = (n + tile_n - 1) // tile_n
+    blocks_per_group = GROUP_M * tiles_n
+    group = block // blocks_per_group
+    first_tile_m = group * GROUP_M
+    rows_in_group = cutlass.min(tiles_m - first_tile_m, GROUP_M)  # the last group may be short
+    within = block % blocks_per_group
+    return first_tile_m + within % rows_in_group, within // rows_in_group
+
+
+@cute.jit
+def finish_element(
+    C, where, acc, alpha, beta, read_ab: cutlass.Constexpr, read_c: cutlass.Constexpr
+):
+    """C[where] = alpha * acc + beta * C[where] in float32, rounded once by the store."""
+    result = cutlass.Float32(0.0)
+    if cutlass.const_expr(read_ab):
+        result = alpha * acc
+    if cutlass.const_expr(read_c):
+        result = result + beta * C[where].to(cutlass.Float32)  # 0 + v is exact
+    C[where] = result.to(C.element_type)
+
+
+@cute.kernel
+def plain_kernel(
+    A: cute.Tensor,
+    B: cute.Tensor,
+    C: cute.Tensor,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    k: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    read_ab: cutlass.Constexpr[bool],
+    read_c: cutlass.Constexpr[bool],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block, _, _ = cute.arch.block_idx()
+    # blockIdx is a 32-bit register: widen it before the tile's first row and column are formed.
+    tile_m, tile_n = tile_of_block(cutlass.Int64(block), m, n, PLAIN_TILE, PLAIN_TILE)
+    first_row, first_col = tile_m * PLAIN_TILE, tile_n * PLAIN_TILE
+    my_row, my_col = thread // PLAIN_THREADS_PER_ROW, thread % PLAIN_THREADS_PER_ROW
+    acc = cute.make_rmem_tensor((PLAIN_PER_THREAD, PLAIN_PER_THREAD), cutlass.Float32)
+    acc.fill(0.0)
+    if cutlass.const_expr(read_ab):
+        # Both tiles row-major in shared memory: a warp's 32 stores below go to 32 adjacent
+        # words, and its reads of a k row of the B tile to 16 adjacent words (no bank conflicts).
+        smem = SmemAllocator()
+        a_tile = smem.allocate_tensor(
+            cutlass.Float32,
+            cute.make_layout((PLAIN_TILE, PLAIN_TILE_K), stride=(PLAIN_TILE_K, 1)),
+            byte_alignment=16,
+        )
+        b_tile = smem.allocate_tensor(
+            cutlass.Float32,
+            cute.make_layout((PLAIN_TILE_K, PLAIN_TILE), stride=(PLAIN_TILE, 1)),
+            byte_alignment=16,
+        )
+        loads_per_thread = PLAIN_TILE * PLAIN_TILE_K // PLAIN_THREADS
+        for k_start in cutlass.range(0, k, PLAIN_TILE_K, unroll=1):
+            # Consecutive threads take consecutive k of A and consecutive columns of B: the
+            # loads are coalesced for row-major operands, the common case.
+            for q in cutlass.range_constexpr(loads_per_thread):
+                e = thread + PLAIN_THREADS * q
+                a_row, a_k = e // PLAIN_TILE_K, e % PLAIN_TILE_K
+                b_k, b_col = e // PLAIN_TILE, e % PLAIN_TILE
+                a_value = cutlass.Float32(0.0)  # outside the matrix: 0, which adds exactly
+                if first_row + a_row < m:
+                    if k_start + a_k < k:
+                        a_value = A[first_row + a_row, k_start + a_k].to(cutlass.Float32)
+                b_value = cutlass.Float32(0.0)
+                if k_start + b_k < k:
+                    if first_col + b_col < n:
+                        b_value = B[k_start + b_k, first_col + b_col].to(cutlass.Float32)
+                a_tile[a_row, a_k] = a_value
+                b_tile[b_k, b_col] = b_value
+            cute.arch.sync_threads()  # the whole tile is in shared memory before anyone reads
+            for kk in cutlass.range_constexpr(PLAIN_TILE_K):
+                for i in cutlass.range_constexpr(PLAIN_PER_THREAD):
+                    a_value = a_tile[my_row + PLAIN_THREADS_PER_ROW * i, kk]
+                    for j in cutlass.range_constexpr(PLAIN_PER_THREAD):
+                        b_value = b_tile[kk, my_col + PLAIN_THREADS_PER_ROW * j]
+                        acc[i, j] = acc[i, j] + a_value * b_value  # one fma.rn.f32
+            cute.arch.sync_threads()  # everyone is done with the tile before it is overwritten
+    for i in cutlass.range_constexpr(PLAIN_PER_THREAD):
+        for j in cutlass.range_constexpr(PLAIN_PER_THREAD):
+            row = first_row + my_row + PLAIN_THREADS_PER_ROW * i
+            col = first_col + my_col + PLAIN_THREADS_PER_ROW * j
+            if row < m:
+                if col < n:
+                    finish_element(C, (row, col), acc[i, j], alpha, beta, read_ab, read_c)
+
+
+def consume_k_step(mainloop, state, tiled_mma, acc, a_fragments, b_fragments):
+    """Wait until TMA has filled the buffer of `state`, then issue the wgmmas of its k step
+    (asynchronous: they read shared memory and add into acc) and commit them as one group."""
+    mainloop.consumer_wait(state)
+    warpgroup.fence()  # acc's registers are ordered before the wgmmas that read them
+    for kb in range(cute.size(a_fragments, mode=[2])):  # plain Python: unrolled while tracing
+        where = (None, None, kb, state.index)
+        cute.gemm(tiled_mma, acc, a_fragments[where], b_fragments[where], acc)
+    warpgroup.commit_group()
+
+
+@cute.kernel
+def hopper_kernel(
+    tma_a: cute.CopyAtom,
+    A_tma: cute.Tensor,
+    tma_b: cute.CopyAtom,
+    B_tma: cute.Tensor,
+    C: cute.Tensor,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    k: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    tiled_mma: cute.TiledMma,
+    a_smem_layout: cute.ComposedLayout,
+    b_smem_layout: cute.ComposedLayout,
+    dtype: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr[int],
+    tile_k: cutlass.Constexpr[int],
+    stages: cutlass.Constexpr[int],
+    read_c: cutlass.Constexpr[bool],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block, _, _ = cute.arch.block_idx()
+    blocks, _, _ = cute.arch.grid_dim()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
+    if warp == 0:
+        cpasync.prefetch_descriptor(tma_a)
+        cpasync.prefetch_descriptor(tma_b)
+
+    # Shared memory: the mbarriers ("full" and "empty" per stage), then the A and B rings,
+    # 1024-byte aligned as the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(cutlass.Int64, 2 * stages, byte_alignment=8)
+    a_ring = smem.allocate_tensor(
+        dtype, a_smem_layout.outer, byte_alignment=1024, swizzle=a_smem_layout.inner
+    )
+    b_ring = smem.allocate_tensor(
+        dtype, b_smem_layout.outer, byte_alignment=1024, swizzle=b_smem_layout.inner
+    )
+    a_stage = cute.slice_(a_smem_layout, (None, None, 0))
+    b_stage = cute.slice_(b_smem_layout, (None, None, 0))
+    bytes_per_stage = cute.size_in_bytes(dtype, a_stage) + cute.size_in_bytes(dtype, b_stage)
+    # One producer thread arrives (with the byte count TMA must deliver) on "full"; lane 0 of
+    # each consumer warp arrives on "empty". create() initialises them and syncs the block.
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
+        ),
+        tx_count=bytes_per_stage,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+    k_steps = cutlass.Int32((k + tile_k - 1) // tile_k)
+    # Persistent: block b computes tiles b, b + blocks, b + 2 blocks, ... of the grouped order.
+    # Producer and consumers walk the same tiles and the ring's state runs on across them, so
+    # TMA already loads the next tile while the consumers finish the last one. The tile index
+    # is 32-bit (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's
+    # dimensions are below 2**31 anyway).
+    tiles = cutlass.Int32(((m + TILE_M - 1) // TILE_M) * ((n + tile_n - 1) // tile_n))
+
+    if warpgroup_index == 0:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+        if warp == 0:
+            # (TILE_M, tile_k, tile row, k step) and (tile_n, tile_k, tile column, k step)
+            # tiles of the TMA tensors, then TMA's view of them: one copy per operand per step.
+            a_tiles = cute.local_tile(A_tma, (TILE_M, tile_k), (None, None))
+            b_tiles = cute.local_tile(B_tma, (tile_n, tile_k), (None, None))
+            a_smem_part, a_gmem_part = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1),
+                cute.group_modes(a_ring, 0, 2), cute.group_modes(a_tiles, 0, 2),
+            )  # fmt: skip
+            b_smem_part, b_gmem_part = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1),
+                cute.group_modes(b_ring, 0, 2), cute.group_modes(b_tiles, 0, 2),
+            )  # fmt: skip
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            for tile in cutlass.range(block, tiles, blocks, unroll=1):
+                tile_m, tile_n_index = tile_of_block(tile, m, n, TILE_M, tile_n)
+                for k_step in cutlass.range(k_steps, unroll=1):
+                    mainloop.producer_acquire(state)  # the buffer is empty; expect its bytes
+                    full = mainloop.producer_get_barrier(state)
+                    cute.copy(
+                        tma_a, a_gmem_part[(None, tile_m, k_step)],
+                        a_smem_part[(None, state.index)], tma_bar_ptr=full,
+                    )  # fmt: skip
+                    cute.copy(
+                        tma_b, b_gmem_part[(None, tile_n_index, k_step)],
+                        b_smem_part[(None, state.index)], tma_bar_ptr=full,
+                    )  # fmt: skip
+                    mainloop.producer_commit(state)
+                    state.advance()
+            mainloop.producer_tail(state)  # exit only after the consumers freed every buffer
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+        consumer_thread = thread - WARPGROUP_THREADS
+        # wgmma's A and B "fragments" are shared-memory descriptors, the same for the 128
+        # threads of a warpgroup: partition with the warpgroup's first thread.
+        warpgroup_mma = tiled_mma.get_slice((warpgroup_index - 1) * WARPGROUP_THREADS)
+        a_fragments = tiled_mma.make_fragment_A(warpgroup_mma.partition_A(a_ring))
+        b_fragments = tiled_mma.make_fragment_B(warpgroup_mma.partition_B(b_ring))
+        # The accumulator is per thread: C and its coordinates are partitioned by this thread.
+        thread_mma = tiled_mma.get_slice(consumer_thread)
+        tile_shape = (TILE_M, tile_n)
+        c_tiles = cute.local_tile(C, tile_shape, (None, None))
+        coord_tiles = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, (None, None))
+        acc = cute.make_rmem_tensor(
+            thread_mma.partition_C(c_tiles[None, None, 0, 0]).shape, cutlass.Float32
+        )
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for tile in cutlass.range(block, tiles, blocks, unroll=1):
+            tile_m, tile_n_index = tile_of_block(tile, m, n, TILE_M, tile_n)
+            acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
+            consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
+            read_state.advance()
+            for _ in cutlass.range(1, k_steps, unroll=1):
+                consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
+                read_state.advance()
+                # At most this step's group still runs: the previous step's buffer is free.
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+
+            c_mine = thread_mma.partition_C(c_tiles[None, None, tile_m, tile_n_index])
+            coords_mine = thread_mma.partition_C(coord_tiles[None, None, tile_m, tile_n_index])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(coords_mine[i], (m, n)):
+                    finish_element(c_mine, i, acc[i], alpha, beta, True, read_c)
+
+
+def strided_matrix(dtype, address, rows, cols, stride_rows, stride_cols):
+    """The (rows, cols) matrix at a raw address with runtime 64-bit strides: any layout."""
+    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem)
+    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(stride_rows, stride_cols)))
+
+
+@cute.jit
+def launch_plain(
+    a_address: cutlass.Int64,
+    b_address: cutlass.Int64,
+    c_address: cutlass.Int64,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    k: cutlass.Int64,
+    stride_am: cutlass.Int64,
+    stride_ak: cutlass.Int64,
+    stride_bk: cutlass.Int64,
+    stride_bn: cutlass.Int64,
+    stride_cm: cutlass.Int64,
+    stride_cn: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    blocks: cutlass.Int32,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    read_ab: cutlass.Constexpr[bool],
+    read_c: cutlass.Constexpr[bool],
+):
+    A = strided_matrix(dtype, a_address, m, k, stride_am, stride_ak)
+    B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
+    C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
+    plain_kernel(A, B, C, m, n, k, alpha, beta, read_ab, read_c).launch(
+        grid=[blocks, 1, 1], block=[PLAIN_THREADS, 1, 1], stream=stream
+    )
+
+
+class MmaTF32Op(MmaOp):
+    """wgmma.mma_async with TF32 inputs (k = 8 per instruction) and a float32 accumulator,
+    which CuTe DSL 4.8.1 does not wrap: the same SM90 MMA atom as the 16-bit one, with the
+    TF32 element type. PTX allows it K-major only."""
+
+    def __init__(self, n):
+        k_major = OperandMajorMode.K
+        super().__init__(
+            cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (64, n, 8),
+            warpgroup.OperandSource.SMEM, k_major, k_major,
+        )  # fmt: skip
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            _pack_shape(self.shape_mnk, loc=loc, ip=ip).type.attribute,
+            self.a_major_mode._to_ir(), self.b_major_mode._to_ir(),
+            self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type,
+            self.a_src._to_ir(),
+        )  # fmt: skip
+        return MmaF16BF16Trait(
+            make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip)
+        )
+
+
+def make_tiled_mma(dtype, a_major, b_major, tile_n):
+    """Two warpgroups side by side along m, each issuing 64 x tile_n wgmmas."""
+    if cutlass.const_expr(dtype == cutlass.Float32):
+        atom = cute.make_mma_atom(MmaTF32Op(tile_n))
+        return cute.make_tiled_mma(atom, (CONSUMER_WARPGROUPS, 1, 1))
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+        cutlass.Float32, (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, tile_n),
+    )  # fmt: skip
+
+
+def operand_layout(address, dtype, rows, cols, stride_rows, stride_cols, contiguous_rows):
+    """A TMA-ready (rows, cols) tensor: the contiguous dimension gets the compile-time stride
+    1 and the other a stride that is promised to be a multiple of 16 bytes."""
+    divby = TMA_ALIGN_BYTES * 8 // dtype.width
+    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=TMA_ALIGN_BYTES)
+    if cutlass.const_expr(contiguous_rows):
+        layout = cute.make_layout((rows, cols), stride=(1, cute.assume(stride_cols, divby=divby)))
+    else:
+        layout = cute.make_layout((rows, cols), stride=(cute.assume(stride_rows, divby=divby), 1))
+    return cute.make_tensor(ptr, layout)
+
+
+@cute.jit
+def launch_hopper(
+    a_address: cutlass.Int64,
+    b_address: cutlass.Int64,
+    c_address: cutlass.Int64,
+    m: cutlass.Int32,
+    n: cutlass.Int32,
+    k: cutlass.Int32,
+    stride_am: cutlass.Int64,
+    stride_ak: cutlass.Int64,
+    stride_bk: cutlass.Int64,
+    stride_bn: cutlass.Int64,
+    stride_cm: cutlass.Int64,
+    stride_cn: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    blocks: cutlass.Int32,
+    stream: cuda.CUstream,
+    dtype: cutlass.Constexpr,
+    a_k_major: cutlass.Constexpr[bool],
+    b_k_major: cutlass.Constexpr[bool],
+    tile_n: cutlass.Constexpr[int],
+    read_c: cutlass.Constexpr[bool],
+):
+    tile_k = TILE_K_BYTES * 8 // dtype.width
+    stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
+    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1.
+    A = operand_layout(a_address, dtype, m, k, stride_am, stride_ak, not a_k_major)
+    B = operand_layout(b_address, dtype, n, k, stride_bn, stride_bk, not b_k_major)
+    C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
+    a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
+    b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
+    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
+    tile_mnk = (TILE_M, tile_n, tile_k)
+    a_smem_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+    b_smem_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_a, A_tma = cpasync.make_tiled_tma_atom(
+        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
+    )
+    tma_b, B_tma = cpasync.make_tiled_tma_atom(
+        load, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k)
+    )
+    hopper_kernel(
+        tma_a, A_tma, tma_b, B_tma, C, cutlass.Int64(m), cutlass.Int64(n), cutlass.Int64(k),
+        alpha, beta, tiled_mma, a_smem_layout, b_smem_layout, dtype, tile_n, tile_k, stages, read_c,
+    ).launch(grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream)  # fmt: skip
+
+
+@functools.cache
+def sm_count(device):
+    """The number of SMs of a CUDA device (132 on the H200), asked once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hopper_tile_n(m, n):
+    """256 columns a tile when C has at least one 128 x 256 tile per SM, else 128."""
+    return 256 if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT else 128
+
+
+def tma_major(t):
+    """How TMA can load the matrix t: 'rows' when its rows are contiguous (stride 1 along a
+    row), 'cols' when its columns are; the other stride and the base must be multiples of 16
+    bytes and the dimensions below 2**31. None when TMA cannot."""
+    if max(t.shape) > TMA_MAX_DIM or t.data_ptr() % TMA_ALIGN_BYTES:
+        return None
+    for along, across, name in ((1, 0, "rows"), (0, 1, "cols")):
+        other = t.stride(across) * t.element_size()
+        if t.stride(along) == 1 and other > 0 and other % TMA_ALIGN_BYTES == 0:
+            return name
+    return None
+
+
+def choose_kernel(A, B, allow_tf32):
+    """('hopper', a_k_major, b_k_major) or ('plain',), by the rules of the docstring."""
+    a_major, b_major = tma_major(A), tma_major(B)
+    if a_major is None or b_major is None:
+        return ("plain",)
+    # A (m, k) is K-major when its rows are contiguous; B (k, n) when its columns are.
+    a_k_major, b_k_major = a_major == "rows", b_major == "cols"
+    if A.dtype == torch.float32 and not (allow_tf32 and a_k_major and b_k_major):
+        return ("plain",)
+    return ("hopper", a_k_major, b_k_major)
+
+
+def build_plain(dtype, read_ab, read_c, options=""):
+    """cute.compile the plain launcher. The arguments are placeholders: only their types matter."""
+    return cute.compile(
+        launch_plain, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
+        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], read_ab, read_c, options=options,
+    )  # fmt: skip
+
+
+def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, options=""):
+    """cute.compile the Hopper launcher (placeholder arguments, as build_plain)."""
+    return cute.compile(
+        launch_hopper, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
+        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], a_k_major, b_k_major, tile_n,
+        read_c, options=options,
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_plain(dtype, read_ab, read_c):
+    """The plain kernel for torch `dtype`, built once (seconds) and cached; needs no GPU."""
+    return build_plain(dtype, read_ab, read_c)
+
+
+@functools.cache
+def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c):
+    """The Hopper kernel for `dtype` and operand majorness, built once and cached."""
+    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c)
+
+
+def ptx_of(kernel, dtype, a_k_major=True, b_k_major=True, tile_n=256, read_ab=True, read_c=True):
+    """The sm_90a PTX of the 'plain' or 'hopper' build: what the tests read to check for wgmma,
+    TMA and mbarriers in one and plain FMAs in the other."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        if kernel == "plain":
+            return build_plain(dtype, read_ab, read_c, options).__ptx__
+        return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, options).__ptx__
+
+
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C."""
+    check_operands(alpha, A, B, beta, C)
+    if C.device.type != "cuda":
+        raise ValueError(f"A, B and C are on {C.device}; the CuTe kernel needs CUDA tensors")
+    (m, k), n = A.shape, B.shape[1]
+    if m == 0 or n == 0:
+        return C
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
+    read_ab, read_c = alpha32 != 0.0 and k > 0, beta32 != 0.0
+    choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
+    if choice[0] == "hopper":
+        _, a_k_major, b_k_major = choice
+        tile_n = hopper_tile_n(m, n)
+        kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c)
+        # Persistent: one block per SM, fewer when C has fewer tiles.
+        blocks = min(ceil_div(m, TILE_M) * ceil_div(n, tile_n), sm_count(C.device))
+    else:
+        kernel = compile_plain(A.dtype, read_ab, read_c)
+        blocks = ceil_div(m, PLAIN_TILE) * ceil_div(n, PLAIN_TILE)
+    # Launch on torch's current stream of C's GPU: ordered with the caller's torch work,
+    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
+    with torch.cuda.device(C.device):
+        kernel(
+            A.data_ptr(), B.data_ptr(), C.data_ptr(), m, n, k, A.stride(0), A.stride(1),
+            B.stride(0), B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, blocks,
+            cuda.CUstream(torch.cuda.current_stream(C.device).cuda_stream),
+        )  # fmt: skip
+    return C
