@@ -226,6 +226,48 @@ def test_grouped_order(impl):
     check(impl, ALPHA, A, B, BETA, C, "two groups")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tma_path(monkeypatch, layout, dtype):
+    """Operands TMA can fetch (a dimension of stride 1, the other 16-byte aligned) take the
+    persistent TMA kernel on the tensor cores: 16-bit data, and float32 with TF32 only (IEEE
+    float32 stays on the pointer kernel). Two programs for 3 x 4 tiles of 64 x 64, so each
+    program walks several tiles; k = 72 ends on a partial k step that TMA fills with zeros."""
+    monkeypatch.setattr(triton_impl, "SM_COUNT", 2)
+    launched = []
+    for name in ("gemm_kernel", "gemm_tma_kernel"):
+        kernel = getattr(triton_impl, name)
+        monkeypatch.setattr(triton_impl, name, LaunchRecorder(kernel, name, launched))
+    A, B, C = operands(136, 200, 72, dtype, layout)
+    assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
+    for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
+        launched.clear()
+        out = C.clone()
+        exact = reference.gemm(ALPHA, A.cpu(), B.cpu(), BETA, C.cpu())
+        bound = error_bound("triton", ALPHA, A, B, BETA, C, exact, REFERENCE_ERROR, allow_tf32)
+        triton_impl.gemm(ALPHA, A, B, BETA, out, allow_tf32=allow_tf32)
+        assert_within_bound(out, exact, bound, f"{layout} tf32={allow_tf32}")
+        tensor_cores = dtype != torch.float32 or allow_tf32
+        assert launched == ["gemm_tma_kernel" if tensor_cores else "gemm_kernel"]
+    padded = torch.empty(136, 80, dtype=dtype, device=DEVICE)
+    assert triton_impl.tma_ready(padded[:, :73])  # rows 160 or 320 bytes apart
+    assert not triton_impl.tma_ready(padded[:, :74].contiguous())  # rows 148 or 296 bytes apart
+    assert not triton_impl.tma_ready(padded[:, 1:])  # its address is off the 16-byte grid
+    assert not triton_impl.tma_ready(padded[:, ::2])  # no stride 1
+
+
+class LaunchRecorder:
+    """Stands in for a @triton.jit kernel: kernel[grid](...) records the kernel's name, then
+    launches it."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 def test_configuration_rule():
     """BLOCK_K is 128 bytes of a row; the large tile once C has at least one per H200 SM:
     128 x 256 on the tensor cores (16-bit, or float32 with TF32), 128 x 64 for IEEE float32."""

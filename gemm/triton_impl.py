@@ -1,4 +1,4 @@
-"""gemm: C = alpha*A@B + beta*C as one tiled Triton kernel.
+"""gemm: C = alpha*A@B + beta*C as tiled Triton kernels.
 
     c_ij = alpha * sum_l a_il b_lj + beta * c_ij
 
@@ -13,6 +13,19 @@ Tiles are numbered so that GROUP_M consecutive programs share their tiles of B, 
 order README.md explains ("Tiles to programs"): it makes the tiles running at one time touch
 fewer distinct rows of A and columns of B, so more of their loads hit in L2.
 
+Two kernels share that tile loop and its finish, `finish_tile`:
+
+gemm_kernel      one program per tile, A and B loaded through pointers with masks: any strides.
+gemm_tma_kernel  persistent: one program per SM walks the tiles p, p + programs, ... in the
+                 grouped order, and A and B tiles come through TMA tensor descriptors (the
+                 copy engine fetches a whole tile into shared memory and fills what lies past
+                 the edge with zeros, so the loop has no masks and no address arithmetic).
+                 With `flatten=True` Triton software-pipelines across tile boundaries, so the
+                 next tile's loads are in flight while this tile is finished. TMA needs each
+                 matrix to have a dimension of stride 1 and its other stride and its address
+                 16-byte aligned (`tma_ready`). Work for the tensor cores takes this path
+                 when both A and B qualify; everything else takes the pointer kernel.
+
 No program needs another's result, so there are no atomics and every addition is fixed by the
 shape and the configuration: the same inputs give the same bits on every run.
 """
@@ -23,6 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reference import check_operands, to_float32
 
@@ -100,11 +114,71 @@ def gemm_kernel(
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
         acc = alpha * acc
+    finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+
+
+@triton.jit
+def finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C: tl.constexpr):
+    """C tile = acc + beta * C tile in float32 (acc holds alpha * sum), rounded once by the
+    store; nothing outside (m, n) is read or written."""
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    in_bounds = row_in[:, None] & col_in[None, :]
+    in_bounds = (offs_m < m)[:, None] & (offs_n < n)[None, :]
     if READ_C:
         acc += beta * tl.load(c_ptrs, mask=in_bounds).to(tl.float32)  # 0 + v is exact
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def load_tile(desc, row, col, TRANSPOSED: tl.constexpr):
+    """The tile at (row, col) of a matrix given by a TMA descriptor. A transposed operand (the
+    transpose of a contiguous matrix) is described as that contiguous matrix, so its tile is
+    fetched at (col, row) and transposed in shared memory, which wgmma reads either way."""
+    if TRANSPOSED:
+        return desc.load([col, row]).T
+    return desc.load([row, col])
+
+
+@triton.jit
+def gemm_tma_kernel(
+    a_desc, b_desc, c_ptr, m, n, k, stride_cm, stride_cn, alpha, beta,
+    A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr, READ_C: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    tiles = tl.cdiv(m, BLOCK_M) * tl.cdiv(n, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        tile_m, tile_n = tile_of_program(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, k, BLOCK_K):
+            a = load_tile(a_desc, tile_m * BLOCK_M, k_start, A_TRANSPOSED)
+            b = load_tile(b_desc, k_start, tile_n * BLOCK_N, B_TRANSPOSED)
+            if UPCAST:  # the interpreter's dot is wrong on bfloat16 values; widening is exact
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        finish_tile(alpha * acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+
+
+def tma_ready(t):
+    """True when TMA can fetch tiles of matrix t: one dimension of stride 1 (row-major, or the
+    transpose of a row-major matrix), the other stride and the address 16-byte aligned."""
+    row_major, transposed = t.stride(1) == 1, t.stride(0) == 1
+    other = t.stride(0) if row_major else t.stride(1)
+    return (
+        (row_major or transposed)
+        and other * t.element_size() % 16 == 0
+        and other > 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def descriptor(t, block_rows, block_cols):
+    """(TMA descriptor of t's tiles of block_rows x block_cols, whether t is transposed). A
+    transposed t is described as the contiguous matrix t.T, with the block shape swapped."""
+    if t.stride(1) == 1:
+        return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
+    return TensorDescriptor.from_tensor(t.T, [block_cols, block_rows]), True
 
 
 def on_device_of(t):
@@ -126,15 +200,28 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         return C
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     config = configuration(m, n, A.dtype, allow_tf32)
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    read_ab = alpha32 != 0.0 and k > 0
     # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
     tf32 = allow_tf32 and A.dtype == torch.float32
+    common = {
+        "READ_C": beta32 != 0.0, "INPUT_PRECISION": "tf32" if tf32 else "ieee",
+        "UPCAST": INTERPRETED and A.dtype == torch.bfloat16, "GROUP_M": GROUP_M, **config,
+    }  # fmt: skip
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    on_tensor_cores = A.dtype != torch.float32 or tf32
     with device:
-        gemm_kernel[grid](
-            A, B, C, m, n, k, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-            C.stride(0), C.stride(1), alpha32, beta32,
-            READ_AB=alpha32 != 0.0 and k > 0, READ_C=beta32 != 0.0,
-            INPUT_PRECISION="tf32" if tf32 else "ieee",
-            UPCAST=INTERPRETED and A.dtype == torch.bfloat16, GROUP_M=GROUP_M, **config,
-        )  # fmt: skip
+        if on_tensor_cores and read_ab and tma_ready(A) and tma_ready(B):
+            a_desc, a_transposed = descriptor(A, config["BLOCK_M"], config["BLOCK_K"])
+            b_desc, b_transposed = descriptor(B, config["BLOCK_K"], config["BLOCK_N"])
+            programs = min(tiles, SM_COUNT)
+            gemm_tma_kernel[(programs,)](
+                a_desc, b_desc, C, m, n, k, C.stride(0), C.stride(1), alpha32, beta32,
+                A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, PROGRAMS=programs,
+                **common,
+            )  # fmt: skip
+        else:
+            gemm_kernel[(tiles,)](
+                A, B, C, m, n, k, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+                C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab, **common,
+            )  # fmt: skip
     return C
