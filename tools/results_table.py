@@ -6,7 +6,8 @@ LOGS is the `logs` folder of the archive tools/gpu-run writes: `<folder>.test.lo
 `<folder>.results.json` and `<folder>.perf.png` for each kernel folder. For each folder this
 copies results.json and perf.png into the folder, rewrites the block between `<!-- results -->`
 and `<!-- /results -->` in its README with the table at the largest size, and rewrites the
-kernels table of the top-level README (a folder with nothing in LOGS is listed unmarked). An
+kernels table of the top-level README (a folder with nothing in LOGS keeps the row it has, or
+is listed unmarked if it has none, so one run may cover some folders only). An
 implementation gets its mark only if the folder's test log on the GPU shows it passing and never
 failing."""
 
@@ -115,7 +116,18 @@ def summary(results):
     return f"{size}: " + "; ".join(parts)
 
 
+def current_rows():
+    """{kernel name: its row} of the kernels table in the top-level README, as it stands."""
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        found = re.match(r"\| \[(\w+)\]\(\1/README\.md\) \|", line)
+        if found:
+            rows[found.group(1)] = line
+    return rows
+
+
 def main(logs):
+    kept = current_rows()
     table = [
         "| Name | Description | Equation | Flops | Data | Python | PyTorch | Triton | CuTe | Test "
         "| H200: % of copy bandwidth at the largest size |",
@@ -125,6 +137,10 @@ def main(logs):
         folder = ROOT / name
         results_file, test_log = logs / f"{name}.results.json", logs / f"{name}.test.log"
         if not results_file.exists() or not test_log.exists():
+            if name in kept:
+                print(f"{name}: no results or test log in {logs}; its row is kept as it was")
+                table.append(kept[name])
+                continue
             print(f"{name}: no results or test log in {logs}; listed as not yet run on the H200")
             table.append(
                 f"| [{name}]({name}/README.md) | {description} | `{equation}` | {flops} | {data} | "
