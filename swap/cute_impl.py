@@ -45,7 +45,7 @@ THREADS_PER_BLOCK = 128
 VECTOR_BYTES = 16
 # Bytes each thread moves per operand, and so the tile (128 threads x 32 bytes = 4 KiB). swap is
 # touchy, see README.md. Measured on the H200 at n = 2**28 with the one-pair-at-a-time tail
-# (32 registers per thread): 128 x 32 B gave 3.95 TB/s in float32 and 3.93 in bfloat16 (93%
+# (26 to 32 registers per thread): 128 x 32 B gave 3.95 TB/s in float32 and 3.93 in bfloat16 (93%
 # of a copy); 256 x 16 B 3.69, 256 x 32 B 3.71, 512 x 16 B 3.47; every 64-byte shape fell to
 # 1.6 TB/s, because ptxas, holding the kernel to 32 registers, then issues the third and
 # fourth loads of y only after the first store, which waits for the first load of x.
@@ -78,10 +78,10 @@ def swap_tail(thread_copy, x_tile, y_tile, in_bounds):
     """Swap this thread's elements of the last tile one pair at a time, each under its entry
     of the predicate tensor. Loading the whole share of both tiles first, as swap_tile does,
     would hold every element of x and of y in registers at once, and the kernel's register
-    count is its largest branch's: ptxas gave the contiguous build 128 registers per thread
-    for 16-bit data (64 for float32) that way, 32 for both this way, so four times the blocks
-    fit on an SM. A load cannot move above a store to memory it may alias, so here only one
-    pair is ever live."""
+    count is its largest branch's: at 64 threads x 64 bytes ptxas gave the contiguous build
+    128 registers per thread for 16-bit data (64 for float32) that way and 32 for both this
+    way; at the shape chosen below it gives 26. A load cannot move above a store to memory it
+    may alias, so here only one pair is ever live."""
     x_mine = thread_copy.partition_S(x_tile)
     y_mine = thread_copy.partition_S(y_tile)
     for i in cutlass.range_constexpr(cute.size(x_mine)):
