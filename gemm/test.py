@@ -229,17 +229,18 @@ def test_grouped_order(impl):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tma_path(monkeypatch, layout, dtype):
-    """Operands TMA can fetch (a dimension of stride 1, the other 16-byte aligned) take the
-    persistent TMA kernel on the tensor cores: 16-bit data, and float32 with TF32 only (IEEE
-    float32 stays on the pointer kernel). Two programs for 3 x 4 tiles of 64 x 64, so each
-    program walks several tiles; k = 72 ends on a partial k step that TMA fills with zeros."""
+    """Row-major operands with 16-byte aligned rows take the persistent TMA kernel on the tensor
+    cores: 16-bit data, and float32 with TF32 only (IEEE float32 stays on the pointer kernel);
+    a transposed operand takes the pointer kernel. Two programs for 3 x 4 tiles of 64 x 64, so
+    each program walks several tiles; k = 72 ends on a partial k step that TMA fills with 0."""
     monkeypatch.setattr(triton_impl, "SM_COUNT", 2)
     launched = []
     for name in ("gemm_kernel", "gemm_tma_kernel"):
         kernel = getattr(triton_impl, name)
         monkeypatch.setattr(triton_impl, name, LaunchRecorder(kernel, name, launched))
     A, B, C = operands(136, 200, 72, dtype, layout)
-    assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
+    assert triton_impl.tma_ready(A) == (layout[0] == "N")
+    assert triton_impl.tma_ready(B) == (layout[1] == "N")
     for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
         launched.clear()
         out = C.clone()
@@ -248,7 +249,8 @@ def test_tma_path(monkeypatch, layout, dtype):
         triton_impl.gemm(ALPHA, A, B, BETA, out, allow_tf32=allow_tf32)
         assert_within_bound(out, exact, bound, f"{layout} tf32={allow_tf32}")
         tensor_cores = dtype != torch.float32 or allow_tf32
-        assert launched == ["gemm_tma_kernel" if tensor_cores else "gemm_kernel"]
+        tma = tensor_cores and layout == "NN"
+        assert launched == ["gemm_tma_kernel" if tma else "gemm_kernel"]
     padded = torch.empty(136, 80, dtype=dtype, device=DEVICE)
     assert triton_impl.tma_ready(padded[:, :73])  # rows 160 or 320 bytes apart
     assert not triton_impl.tma_ready(padded[:, :74].contiguous())  # rows 148 or 296 bytes apart

@@ -21,10 +21,14 @@ gemm_tma_kernel  persistent: one program per SM walks the tiles p, p + programs,
                  copy engine fetches a whole tile into shared memory and fills what lies past
                  the edge with zeros, so the loop has no masks and no address arithmetic).
                  With `flatten=True` Triton software-pipelines across tile boundaries, so the
-                 next tile's loads are in flight while this tile is finished. TMA needs each
-                 matrix to have a dimension of stride 1 and its other stride and its address
-                 16-byte aligned (`tma_ready`). Work for the tensor cores takes this path
-                 when both A and B qualify; everything else takes the pointer kernel.
+                 next tile's loads are in flight while this tile is finished. TMA needs rows
+                 of stride 1 and a row stride and address 16-byte aligned (`tma_ready`).
+                 Work for the tensor cores takes this path when both A and B qualify;
+                 everything else takes the pointer kernel. A transposed operand could be
+                 described as the contiguous matrix it is the transpose of and its tile
+                 transposed in shared memory, but that kernel, right under the interpreter,
+                 failed to compile for the H200 with Triton 3.6 (not yet understood), so
+                 transposed operands take the pointer kernel for now.
 
 No program needs another's result, so there are no atomics and every addition is fixed by the
 shape and the configuration: the same inputs give the same bits on every run.
@@ -129,29 +133,19 @@ def finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, RE
 
 
 @triton.jit
-def load_tile(desc, row, col, TRANSPOSED: tl.constexpr):
-    """The tile at (row, col) of a matrix given by a TMA descriptor. A transposed operand (the
-    transpose of a contiguous matrix) is described as that contiguous matrix, so its tile is
-    fetched at (col, row) and transposed in shared memory, which wgmma reads either way."""
-    if TRANSPOSED:
-        return desc.load([col, row]).T
-    return desc.load([row, col])
-
-
-@triton.jit
 def gemm_tma_kernel(
     a_desc, b_desc, c_ptr, m, n, k, stride_cm, stride_cn, alpha, beta,
-    A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr, READ_C: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    READ_C: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
 ):  # fmt: skip
     tiles = tl.cdiv(m, BLOCK_M) * tl.cdiv(n, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
         tile_m, tile_n = tile_of_program(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k_start in range(0, k, BLOCK_K):
-            a = load_tile(a_desc, tile_m * BLOCK_M, k_start, A_TRANSPOSED)
-            b = load_tile(b_desc, k_start, tile_n * BLOCK_N, B_TRANSPOSED)
+            a = a_desc.load([tile_m * BLOCK_M, k_start])
+            b = b_desc.load([k_start, tile_n * BLOCK_N])
             if UPCAST:  # the interpreter's dot is wrong on bfloat16 values; widening is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
@@ -161,24 +155,14 @@ def gemm_tma_kernel(
 
 
 def tma_ready(t):
-    """True when TMA can fetch tiles of matrix t: one dimension of stride 1 (row-major, or the
-    transpose of a row-major matrix), the other stride and the address 16-byte aligned."""
-    row_major, transposed = t.stride(1) == 1, t.stride(0) == 1
-    other = t.stride(0) if row_major else t.stride(1)
+    """True when TMA can fetch tiles of matrix t: rows of stride 1, the row stride and the
+    address 16-byte aligned."""
     return (
-        (row_major or transposed)
-        and other * t.element_size() % 16 == 0
-        and other > 0
+        t.stride(1) == 1
+        and t.stride(0) > 0
+        and t.stride(0) * t.element_size() % 16 == 0
         and t.data_ptr() % 16 == 0
     )
-
-
-def descriptor(t, block_rows, block_cols):
-    """(TMA descriptor of t's tiles of block_rows x block_cols, whether t is transposed). A
-    transposed t is described as the contiguous matrix t.T, with the block shape swapped."""
-    if t.stride(1) == 1:
-        return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
-    return TensorDescriptor.from_tensor(t.T, [block_cols, block_rows]), True
 
 
 def on_device_of(t):
@@ -211,13 +195,12 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     on_tensor_cores = A.dtype != torch.float32 or tf32
     with device:
         if on_tensor_cores and read_ab and tma_ready(A) and tma_ready(B):
-            a_desc, a_transposed = descriptor(A, config["BLOCK_M"], config["BLOCK_K"])
-            b_desc, b_transposed = descriptor(B, config["BLOCK_K"], config["BLOCK_N"])
+            a_desc = TensorDescriptor.from_tensor(A, [config["BLOCK_M"], config["BLOCK_K"]])
+            b_desc = TensorDescriptor.from_tensor(B, [config["BLOCK_K"], config["BLOCK_N"]])
             programs = min(tiles, SM_COUNT)
             gemm_tma_kernel[(programs,)](
                 a_desc, b_desc, C, m, n, k, C.stride(0), C.stride(1), alpha32, beta32,
-                A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, PROGRAMS=programs,
-                **common,
+                PROGRAMS=programs, **common,
             )  # fmt: skip
         else:
             gemm_kernel[(tiles,)](
