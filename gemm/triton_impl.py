@@ -64,13 +64,17 @@ LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
+def on_tensor_cores(dtype, allow_tf32):
+    """16-bit data, and float32 with TF32, go to the tensor cores; IEEE float32 does not."""
+    return dtype != torch.float32 or allow_tf32
+
+
 def configuration(m, n, dtype, allow_tf32=False):
     """The kernel's constants for an m x n C of `dtype`. BLOCK_K is 128 bytes of each row of an
     A tile, 32 float32 or 64 16-bit values: one cache line, and the k extent of a few wgmma
     instructions. float32 with TF32 runs on the tensor cores and takes their shape."""
     block_k = 128 // dtype.itemsize
-    tensor_cores = dtype != torch.float32 or allow_tf32
-    large = LARGE_TENSOR_CORE if tensor_cores else LARGE_IEEE_FLOAT32
+    large = LARGE_TENSOR_CORE if on_tensor_cores(dtype, allow_tf32) else LARGE_IEEE_FLOAT32
     if triton.cdiv(m, large["BLOCK_M"]) * triton.cdiv(n, large["BLOCK_N"]) >= SM_COUNT:
         return {**large, "BLOCK_K": block_k}
     return {**SMALL, "BLOCK_K": block_k}
@@ -192,9 +196,8 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         "UPCAST": INTERPRETED and A.dtype == torch.bfloat16, "GROUP_M": GROUP_M, **config,
     }  # fmt: skip
     tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-    on_tensor_cores = A.dtype != torch.float32 or tf32
     with device:
-        if on_tensor_cores and read_ab and tma_ready(A) and tma_ready(B):
+        if on_tensor_cores(A.dtype, allow_tf32) and read_ab and tma_ready(A) and tma_ready(B):
             a_desc = TensorDescriptor.from_tensor(A, [config["BLOCK_M"], config["BLOCK_K"]])
             b_desc = TensorDescriptor.from_tensor(B, [config["BLOCK_K"], config["BLOCK_N"]])
             programs = min(tiles, SM_COUNT)
