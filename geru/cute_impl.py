@@ -24,7 +24,11 @@ How the loops over i and j are mapped onto the GPU
   every (i, j), Y = (rows, cols) : (0, stride_y) gives y_j. Tiling and partitioning X and Y with
   the same tiler and thread-value layout as A hands each thread exactly the x_i and y_j of its own
   elements of A; the stride 0 is a compile-time constant, so the compiler loads each distinct
-  x_i or y_j once per thread, not once per element.
+  x_i or y_j once per thread, not once per element. The operand that varies along the kernel's
+  rows (y for a row-major A, x for a column-major one) gives a thread v adjacent elements per
+  vector of A: when it is contiguous and 16-byte aligned (and A takes the vector build) it is
+  read with the same 16-byte atom as A, one ld.global.v4 where element accesses cost v loads
+  (8 for 16-bit data); the other operand is one element per row of the thread.
 * A block of 256 threads owns a tile of 8 rows x 1 KiB (256 float32 or 512 16-bit elements).
   The thread-value (TV) layout: threads (4, 64) : (64, 1), 64 side by side along a row and 4
   rows of them; values (1, v), each thread v adjacent elements of a row, v = 16 bytes / element
@@ -78,24 +82,23 @@ TORCH_TO_CUTLASS = {
 
 
 @cute.jit
-def load_broadcast(element_atom, mine, in_bounds):
-    """This thread's x or y values (`mine`, a partition of X or Y), widened to float32. One
-    element per access: a broadcast operand has stride 0 along one mode, never a vector."""
+def load_broadcast(atom, mine, in_bounds):
+    """This thread's x or y values (`mine`, a partition of X or Y), widened to float32."""
     registers = cute.make_rmem_tensor(mine.shape, mine.element_type)
-    cute.copy(element_atom, mine, registers, pred=in_bounds)
+    cute.copy(atom, mine, registers, pred=in_bounds)
     return registers.load().to(cutlass.Float32)
 
 
 @cute.jit
-def update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, in_bounds):
+def update_tile(thread_copy, x_atom, y_atom, a_tile, x_tile, y_tile, alpha, in_bounds):
     """a <- a + (alpha x) y on this thread's share of one tile (in_bounds None: all of it)."""
     # A is read, then written: the universal copy's source and destination layouts are the
     # same, so one partition serves both directions.
     a_mine = thread_copy.partition_S(a_tile)
     a_registers = cute.make_rmem_tensor_like(a_mine)
     cute.copy(thread_copy, a_mine, a_registers, pred=in_bounds)
-    alpha_x = alpha * load_broadcast(element_atom, thread_copy.partition_S(x_tile), in_bounds)
-    y = load_broadcast(element_atom, thread_copy.partition_S(y_tile), in_bounds)
+    alpha_x = alpha * load_broadcast(x_atom, thread_copy.partition_S(x_tile), in_bounds)
+    y = load_broadcast(y_atom, thread_copy.partition_S(y_tile), in_bounds)
     result = a_registers.load().to(cutlass.Float32) + alpha_x * y
     a_registers.store(result.to(a_registers.element_type))
     cute.copy(thread_copy, a_registers, a_mine, pred=in_bounds)
@@ -123,6 +126,8 @@ def geru_kernel(
     vector_copy: cute.TiledCopy,
     element_copy: cute.TiledCopy,
     element_atom: cute.CopyAtom,
+    along_atom: cute.CopyAtom,
+    x_along: cutlass.Constexpr[bool],
     tile: cutlass.Constexpr,
 ):
     thread, _, _ = cute.arch.thread_idx()
@@ -139,13 +144,16 @@ def geru_kernel(
     inside_cols = (tile_coord[1] + 1) * tile[1] <= cols
     if inside_rows & inside_cols:
         thread_copy = vector_copy.get_slice(thread)
-        update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, None)
+        x_atom, y_atom = (along_atom, element_atom) if x_along else (element_atom, along_atom)
+        update_tile(thread_copy, x_atom, y_atom, a_tile, x_tile, y_tile, alpha, None)
     else:
         thread_copy = element_copy.get_slice(thread)
         identity = cute.make_identity_tensor((rows, cols))
         coord_tile = cute.local_tile(identity, tile, tile_coord)
         in_bounds = in_bounds_mask(thread_copy, coord_tile, rows, cols)
-        update_tile(thread_copy, element_atom, a_tile, x_tile, y_tile, alpha, in_bounds)
+        update_tile(
+            thread_copy, element_atom, element_atom, a_tile, x_tile, y_tile, alpha, in_bounds
+        )
 
 
 def row_major_layout(rows, cols, row_stride, col_stride, vector_elems):
@@ -173,6 +181,7 @@ def launch_geru(
     dtype: cutlass.Constexpr,
     vector_elems: cutlass.Constexpr[int],
     rows_contiguous: cutlass.Constexpr[bool],
+    along_vector_elems: cutlass.Constexpr[int],
 ):
     # Raw addresses become typed pointers. The alignment is a promise the caller checked:
     # 16 bytes for A in a vector build, one element otherwise.
@@ -180,17 +189,22 @@ def launch_geru(
     a_ptr = cute.make_ptr(
         dtype, a_address, cute.AddressSpace.gmem, assumed_align=elem_bytes * vector_elems
     )
-    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=elem_bytes)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=elem_bytes)
+    along_align = elem_bytes * along_vector_elems
+    x_align, y_align = (elem_bytes, along_align) if rows_contiguous else (along_align, elem_bytes)
+    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=x_align)
+    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=y_align)
+    # A vector build of the operand along the rows fixes its stride to the constant 1.
+    along_stride_y = y_stride if cutlass.const_expr(along_vector_elems == 1) else 1
+    along_stride_x = x_stride if cutlass.const_expr(along_vector_elems == 1) else 1
     # The kernel's rows and columns: A's own when its rows are contiguous, else those of A^T.
     # Either way X holds x_i wherever A holds a_ij, and Y holds y_j.
     if cutlass.const_expr(rows_contiguous):
         rows, cols, row_stride, col_stride = m, n, a_row_stride, a_col_stride
         x_layout = cute.make_layout((m, n), stride=(x_stride, 0))
-        y_layout = cute.make_layout((m, n), stride=(0, y_stride))
+        y_layout = cute.make_layout((m, n), stride=(0, along_stride_y))
     else:
         rows, cols, row_stride, col_stride = n, m, a_col_stride, a_row_stride
-        x_layout = cute.make_layout((n, m), stride=(0, x_stride))
+        x_layout = cute.make_layout((n, m), stride=(0, along_stride_x))
         y_layout = cute.make_layout((n, m), stride=(y_stride, 0))
     a = cute.make_tensor(a_ptr, row_major_layout(rows, cols, row_stride, col_stride, vector_elems))
     x = cute.make_tensor(x_ptr, x_layout)
@@ -212,14 +226,18 @@ def launch_geru(
     element_atom = cute.make_copy_atom(
         cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
     )
+    along_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * along_vector_elems
+    )
     vector_copy = cute.make_tiled_copy_tv(vector_atom, thread_layout, value_layout)
     element_copy = cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout)
 
     tiles_per_row = (cols + tile[1] - 1) // tile[1]
     tiles = (rows + tile[0] - 1) // tile[0] * tiles_per_row
     kernel = geru_kernel(
-        a, x, y, rows, cols, tiles_per_row, alpha, vector_copy, element_copy, element_atom, tile
-    )
+        a, x, y, rows, cols, tiles_per_row, alpha, vector_copy, element_copy, element_atom,
+        along_atom, not rows_contiguous, tile,
+    )  # fmt: skip
     kernel.launch(grid=[tiles, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
 
 
@@ -228,31 +246,37 @@ def elements_per_access(dtype, vector_friendly):
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
-def build(dtype, vector_elems, rows_contiguous, options=""):
+def build(dtype, vector_elems, rows_contiguous, along_vector_elems=1, options=""):
     """cute.compile the launcher. The arguments are placeholders: only their types matter."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    if along_vector_elems not in (1, vector_elems):
+        raise ValueError("the operand along the rows is read as vectors only when A is")
     return cute.compile(
         launch_geru, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1.0, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, rows_contiguous, options=options,
+        TORCH_TO_CUTLASS[dtype], vector_elems, rows_contiguous, along_vector_elems,
+        options=options,
     )  # fmt: skip
 
 
 @functools.cache
-def compile_kernel(dtype, vector_elems, rows_contiguous):
-    """The compiled geru for torch `dtype`, moving `vector_elems` elements of A per access, with
-    the tile's rows along A's rows (rows_contiguous) or along its columns; built once (about a
-    second) and cached. Compiling needs no GPU."""
-    return build(dtype, vector_elems, rows_contiguous)
+def compile_kernel(dtype, vector_elems, rows_contiguous, along_vector_elems):
+    """The compiled geru for torch `dtype`, moving `vector_elems` elements of A and
+    `along_vector_elems` of the operand along the rows per access, with the tile's rows along
+    A's rows (rows_contiguous) or along its columns; built once (about a second) and cached.
+    Compiling needs no GPU."""
+    return build(dtype, vector_elems, rows_contiguous, along_vector_elems)
 
 
-def ptx_of(dtype, contiguous, rows_contiguous=True):
+def ptx_of(dtype, contiguous, rows_contiguous=True, along_vector=False):
     """The PTX of the vector build (contiguous=True) or of the any-stride build, for sm_90a
-    (H200): what the tests read to check for 128-bit loads and stores."""
+    (H200), reading the operand along the rows as vectors if along_vector: what the tests read
+    to check for 128-bit loads and stores."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         vector_elems = elements_per_access(dtype, contiguous)
-        return build(dtype, vector_elems, rows_contiguous, options).__ptx__
+        along = elements_per_access(dtype, along_vector)
+        return build(dtype, vector_elems, rows_contiguous, along, options).__ptx__
 
 
 def steps(A):
@@ -284,8 +308,16 @@ def geru(alpha, x, y, A):
     m, n = A.shape
     if alpha32 == 0.0 or m == 0 or n == 0:  # alpha == 0: x and y are not read, A not written
         return A
-    vector_elems = elements_per_access(A.dtype, is_vector_friendly(A))
-    kernel = compile_kernel(A.dtype, vector_elems, fastest_dim(A) == 1)
+    rows_contiguous = fastest_dim(A) == 1
+    vector_a = is_vector_friendly(A)
+    along = y if rows_contiguous else x
+    vector_along = vector_a and along.stride(0) == 1 and along.data_ptr() % VECTOR_BYTES == 0
+    kernel = compile_kernel(
+        A.dtype,
+        elements_per_access(A.dtype, vector_a),
+        rows_contiguous,
+        elements_per_access(A.dtype, vector_along),
+    )
     stride_m, stride_n = steps(A)
     # Launch on torch's current stream of A's GPU: ordered with the caller's torch work,
     # capturable by a CUDA graph (call once before capturing: the first call loads the module).

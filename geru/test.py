@@ -216,6 +216,25 @@ def test_strided_and_broadcast_vectors(impl, dtype, layout, step_x, step_y):
     check(impl, 0.3, x, y, *matrix_in_guard(m, n, dtype, layout))
 
 
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_vectors_off_the_16_byte_grid(impl, dtype, layout):
+    """x and y that start one element past a 16-byte boundary cannot be read as vectors (the
+    CuTe kernel then reads the operand along A's rows element by element): the result is
+    within the bound and has the same bits as with aligned copies of the same values."""
+    m, n = 19, 517
+    x, y = random_vector(m, dtype), random_vector(n, dtype)
+    x_off = torch.empty(m + 1, device=DEVICE, dtype=dtype)[1:].copy_(x)
+    y_off = torch.empty(n + 1, device=DEVICE, dtype=dtype)[1:].copy_(y)
+    buffer, A, outside = matrix_in_guard(m, n, dtype, layout)
+    aligned = buffer.clone()
+    A_aligned = aligned.as_strided(A.shape, A.stride(), A.storage_offset())
+    check(impl, 0.3, x_off, y_off, buffer, A, outside)
+    implementation(impl)(0.3, x, y, A_aligned)
+    assert_same_bits(buffer, aligned, "the result with aligned x and y")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(0, 0), (0, 5), (5, 0)], ids=str)
@@ -420,11 +439,18 @@ def test_triton_ptx(build):
 @pytest.mark.parametrize("rows_contiguous", [True, False], ids=["row", "col"])
 def test_cute_ptx(dtype, rows_contiguous):
     """The CuTe kernel builds for sm_90a with 128-bit loads and stores of A on the fast path,
-    in both orientations; the any-stride build has none."""
+    in both orientations, and one more 128-bit load when the operand along the rows is read as
+    vectors (its element build has v more 1-element loads instead); the any-stride build has
+    none."""
     vector = cute_impl.ptx_of(dtype, True, rows_contiguous)
+    along = cute_impl.ptx_of(dtype, True, rows_contiguous, along_vector=True)
     scalar = cute_impl.ptx_of(dtype, False, rows_contiguous)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "fma.rn.f32" in vector
+    v = cute_impl.VECTOR_BYTES // dtype.itemsize
+    scalar_load = f"ld.global.b{8 * dtype.itemsize}"
+    assert along.count("ld.global.v4") == vector.count("ld.global.v4") + 1
+    assert along.count(scalar_load) == vector.count(scalar_load) - v
     assert "ld.global.v4" not in scalar and "st.global.v4" not in scalar
 
 
