@@ -51,10 +51,12 @@ warpgroups (384 threads) with two jobs:
   barrier is signalled, so TMA refills it while this step's wgmmas run. Producer and
   consumers walk the same tiles and the ring runs on from one tile to the next, so TMA is
   already loading the next tile while the consumers finish this one.
-* Epilogue: each consumer thread holds its accumulator fragment; for every element inside
-  (m, n) (the coordinates come from an identity tensor partitioned like the accumulator) it
-  computes alpha * acc + beta * c in float32, reading C only in the beta32 != 0 build, and
-  stores it with one rounding. C may have any strides.
+* Epilogue: each consumer thread holds its accumulator fragment and computes alpha * acc +
+  beta * c in float32, reading C only in the beta32 != 0 build, and stores it with one
+  rounding. The fragment holds pairs of adjacent columns: for a row-major C whose rows start
+  on 2-element boundaries (`in_pairs`), whole tiles move each pair as one access. Edge tiles
+  and any other C (any strides) go element by element, each inside (m, n) (the coordinates
+  come from an identity tensor partitioned like the accumulator).
 * Shared memory: the ring takes STAGE_BUDGET_BYTES = 192 KiB, 4 stages of 48 KiB at 128 x 256
   (16 KiB of A, 32 KiB of B, in either dtype: a k step is 128 bytes of a row) or 6 stages of
   32 KiB at 128 x 128, plus 2 mbarriers a stage: one block per SM. The consumers' code fits
@@ -167,6 +169,30 @@ def finish_element(
     C[where] = result.to(C.element_type)
 
 
+@cute.jit
+def finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c: cutlass.Constexpr):
+    """The epilogue for any C: each of the thread's elements on its own, if inside (m, n)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        if cute.elem_less(coords_mine[i], (m, n)):
+            finish_element(c_mine, i, acc[i], alpha, beta, True, read_c)
+
+
+@cute.jit
+def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
+    """The epilogue of a whole tile of a row-major C: wgmma leaves each thread pairs of adjacent
+    columns, so C is read and written one pair per access (autovec_copy finds the width from
+    the layouts), with the same arithmetic as finish_element."""
+    c_registers = cute.make_rmem_tensor_like(c_mine)
+    if cutlass.const_expr(read_c):
+        cute.autovec_copy(c_mine, c_registers)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        result = alpha * acc[i]
+        if cutlass.const_expr(read_c):
+            result = result + beta * c_registers[i].to(cutlass.Float32)
+        c_registers[i] = result.to(c_registers.element_type)
+    cute.autovec_copy(c_registers, c_mine)
+
+
 @cute.kernel
 def plain_kernel(
     A: cute.Tensor,
@@ -268,6 +294,7 @@ def hopper_kernel(
     tile_k: cutlass.Constexpr[int],
     stages: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
+    c_pairs: cutlass.Constexpr[bool],
 ):
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
@@ -381,9 +408,14 @@ def hopper_kernel(
 
             c_mine = thread_mma.partition_C(c_tiles[None, None, tile_m, tile_n_index])
             coords_mine = thread_mma.partition_C(coord_tiles[None, None, tile_m, tile_n_index])
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if cute.elem_less(coords_mine[i], (m, n)):
-                    finish_element(c_mine, i, acc[i], alpha, beta, True, read_c)
+            if cutlass.const_expr(c_pairs):
+                inside = (tile_m + 1) * TILE_M <= m and (tile_n_index + 1) * tile_n <= n
+                if inside:
+                    finish_in_pairs(c_mine, acc, alpha, beta, read_c)
+                else:
+                    finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+            else:
+                finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
 
 
 def strided_matrix(dtype, address, rows, cols, stride_rows, stride_cols):
@@ -492,13 +524,23 @@ def launch_hopper(
     b_k_major: cutlass.Constexpr[bool],
     tile_n: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
+    c_pairs: cutlass.Constexpr[bool],
 ):
     tile_k = TILE_K_BYTES * 8 // dtype.width
     stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
     # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1.
     A = operand_layout(a_address, dtype, m, k, stride_am, stride_ak, not a_k_major)
     B = operand_layout(b_address, dtype, n, k, stride_bn, stride_bk, not b_k_major)
-    C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
+    if cutlass.const_expr(c_pairs):
+        # Row-major C whose rows start on a 2-element boundary: stride 1 along n is a
+        # compile-time constant, so a thread's pair of adjacent columns is one access.
+        c_ptr = cute.make_ptr(
+            dtype, c_address, cute.AddressSpace.gmem, assumed_align=2 * dtype.width // 8
+        )
+        c_layout = cute.make_layout((m, n), stride=(cute.assume(stride_cm, divby=2), 1))
+        C = cute.make_tensor(c_ptr, c_layout)
+    else:
+        C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
     a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
     b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
     tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
@@ -515,6 +557,7 @@ def launch_hopper(
     hopper_kernel(
         tma_a, A_tma, tma_b, B_tma, C, cutlass.Int64(m), cutlass.Int64(n), cutlass.Int64(k),
         alpha, beta, tiled_mma, a_smem_layout, b_smem_layout, dtype, tile_n, tile_k, stages, read_c,
+        c_pairs,
     ).launch(grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream)  # fmt: skip
 
 
@@ -542,6 +585,12 @@ def tma_major(t):
     return None
 
 
+def in_pairs(C):
+    """True when the Hopper epilogue may move C two adjacent columns at a time: rows of stride 1
+    that start on a 2-element boundary."""
+    return C.stride(1) == 1 and C.stride(0) % 2 == 0 and C.data_ptr() % (2 * C.element_size()) == 0
+
+
 def choose_kernel(A, B, allow_tf32):
     """('hopper', a_k_major, b_k_major) or ('plain',), by the rules of the docstring."""
     a_major, b_major = tma_major(A), tma_major(B)
@@ -562,12 +611,12 @@ def build_plain(dtype, read_ab, read_c, options=""):
     )  # fmt: skip
 
 
-def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, options=""):
+def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, options=""):
     """cute.compile the Hopper launcher (placeholder arguments, as build_plain)."""
     return cute.compile(
         launch_hopper, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
         cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], a_k_major, b_k_major, tile_n,
-        read_c, options=options,
+        read_c, c_pairs, options=options,
     )  # fmt: skip
 
 
@@ -578,19 +627,22 @@ def compile_plain(dtype, read_ab, read_c):
 
 
 @functools.cache
-def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c):
-    """The Hopper kernel for `dtype` and operand majorness, built once and cached."""
-    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c)
+def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs):
+    """The Hopper kernel for `dtype`, operand majorness and epilogue, built once and cached."""
+    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs)
 
 
-def ptx_of(kernel, dtype, a_k_major=True, b_k_major=True, tile_n=256, read_ab=True, read_c=True):
+def ptx_of(
+    kernel, dtype, a_k_major=True, b_k_major=True, tile_n=256, read_ab=True, read_c=True,
+    c_pairs=False,
+):  # fmt: skip
     """The sm_90a PTX of the 'plain' or 'hopper' build: what the tests read to check for wgmma,
     TMA and mbarriers in one and plain FMAs in the other."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         if kernel == "plain":
             return build_plain(dtype, read_ab, read_c, options).__ptx__
-        return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, options).__ptx__
+        return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, options).__ptx__
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
@@ -607,7 +659,7 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     if choice[0] == "hopper":
         _, a_k_major, b_k_major = choice
         tile_n = hopper_tile_n(m, n)
-        kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c)
+        kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C))
         # Persistent: one block per SM, fewer when C has fewer tiles.
         blocks = min(ceil_div(m, TILE_M) * ceil_div(n, tile_n), sm_count(C.device))
     else:

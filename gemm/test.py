@@ -275,7 +275,7 @@ class LaunchRecorder:
 
 def test_configuration_rule():
     """BLOCK_K is 128 bytes of a row; the large tile once C has at least one per H200 SM:
-    128 x 256 on the tensor cores (16-bit, or float32 with TF32), 128 x 64 for IEEE float32."""
+    128 x 256 for 16-bit data, 128 x 128 for float32 with TF32, 128 x 64 for IEEE float32."""
     for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
         assert triton_impl.configuration(16384, 4096, dtype)["BLOCK_K"] == block_k
     assert triton_impl.configuration(256, 256, torch.bfloat16)["BLOCK_M"] == 64
@@ -283,7 +283,8 @@ def test_configuration_rule():
     assert triton_impl.configuration(1536, 2560, torch.bfloat16)["BLOCK_M"] == 64  # 12 x 10
     assert triton_impl.configuration(1536, 768, torch.float32)["BLOCK_M"] == 128  # 12 x 12
     assert triton_impl.configuration(1536, 640, torch.float32)["BLOCK_M"] == 64  # 12 x 10
-    assert triton_impl.configuration(1536, 2816, torch.float32, True)["BLOCK_N"] == 256
+    tf32 = triton_impl.configuration(1536, 2816, torch.float32, True)
+    assert (tf32["BLOCK_M"], tf32["BLOCK_N"]) == (128, 128)
 
 
 MARGIN = 3  # rows and columns of NaN around a guarded matrix
@@ -364,7 +365,12 @@ def test_empty_launches_nothing(monkeypatch):
     """m == 0 or n == 0 returns C without touching the kernel."""
     monkeypatch.setattr(triton_impl, "gemm_kernel", None)
     C = torch.empty(0, 3, device=DEVICE)
-    assert triton_impl.gemm(1.0, torch.ones(0, 4, device=DEVICE), torch.ones(4, 3), 1.0, C) is C
+    assert (
+        triton_impl.gemm(
+            1.0, torch.ones(0, 4, device=DEVICE), torch.ones(4, 3, device=DEVICE), 1.0, C
+        )
+        is C
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -662,6 +668,22 @@ def test_cute_hopper_reads_c_only_if_beta(read_c):
 
 
 @needs_cute
+def test_cute_hopper_epilogue_in_pairs():
+    """A row-major C whose rows start on 2-element boundaries gets the paired epilogue on whole
+    tiles: two adjacent columns per load and store (ld.global.v2 of two bf16, st.global.b32),
+    and still one element at a time on the edge tiles; any other C, one element at a time."""
+    pairs = cute_impl.ptx_of("hopper", torch.bfloat16, c_pairs=True)
+    single = cute_impl.ptx_of("hopper", torch.bfloat16, c_pairs=False)
+    assert "ld.global.v2.b16" in pairs and "st.global.b32" in pairs
+    assert "ld.global.b16" in pairs and "st.global.b16" in pairs
+    assert "ld.global.v2" not in single and "st.global.b32" not in single
+    C = torch.empty(6, 8)
+    assert cute_impl.in_pairs(C) and cute_impl.in_pairs(C[:, :5])
+    assert not cute_impl.in_pairs(C.T) and not cute_impl.in_pairs(C[:, 1:])
+    assert not cute_impl.in_pairs(torch.empty(6, 7)[:, :5])  # rows 7 elements apart
+
+
+@needs_cute
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_plain_ptx(dtype):
     """The plain kernel is FMAs on the CUDA cores, IEEE float32 for float32: no wgmma, no TMA;
@@ -749,6 +771,24 @@ def test_cute_hopper_edges(monkeypatch, tile_n, layout, dtype, shape):
     B = padded_matrix(k, n, dtype, layout[1] == "T")
     assert cute_impl.choose_kernel(A, B, False)[0] == "hopper"
     check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, dtype, False), f"{layout} hopper")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cute_hopper_epilogues_agree(dtype):
+    """The paired and the one-element epilogue do the same arithmetic: C row-major with an even
+    row stride (paired on whole tiles) and with an odd one (never paired) get the same bits,
+    on a C of whole and partial 128 x 256 tiles."""
+    implementation("cute")  # skips without a GPU
+    m, n, k = 300, 520, 130
+    A = padded_matrix(m, k, dtype, False)
+    B = padded_matrix(k, n, dtype, dtype == torch.float32)  # TF32 takes B column-major
+    C_even = padded_matrix(m, n, dtype, False)
+    C_odd = torch.empty(m, n + 1, device=DEVICE, dtype=dtype)[:, :n].copy_(C_even)
+    assert cute_impl.in_pairs(C_even) and not cute_impl.in_pairs(C_odd)
+    tf32 = dtype == torch.float32
+    for C in (C_even, C_odd):
+        cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
+    assert_same_bits(C_odd, C_even, "C with an odd row stride")
 
 
 @pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=str)

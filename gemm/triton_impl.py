@@ -59,6 +59,10 @@ SM_COUNT = 132
 # A wide tile halves the loads per flop of a 128 x 128 one; its float32 accumulator is 128 of a
 # thread's registers over 8 warps, and 3 stages of A and B tiles take 144 KiB of shared memory.
 LARGE_TENSOR_CORE = {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
+# float32 through TF32 has the same 128 bytes of k per row of a stage, but 128 x 256 asked for
+# 245808 bytes of shared memory on the TMA path (Triton 3.6 on the H200), over the 232448 a
+# block may have: half as wide.
+LARGE_TF32 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 # IEEE float32 has no tensor-core path: tl.dot becomes FMAs on the CUDA cores.
 LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -74,7 +78,10 @@ def configuration(m, n, dtype, allow_tf32=False):
     A tile, 32 float32 or 64 16-bit values: one cache line, and the k extent of a few wgmma
     instructions. float32 with TF32 runs on the tensor cores and takes their shape."""
     block_k = 128 // dtype.itemsize
-    large = LARGE_TENSOR_CORE if on_tensor_cores(dtype, allow_tf32) else LARGE_IEEE_FLOAT32
+    if dtype != torch.float32:
+        large = LARGE_TENSOR_CORE
+    else:
+        large = LARGE_TF32 if allow_tf32 else LARGE_IEEE_FLOAT32
     if triton.cdiv(m, large["BLOCK_M"]) * triton.cdiv(n, large["BLOCK_N"]) >= SM_COUNT:
         return {**large, "BLOCK_K": block_k}
     return {**SMALL, "BLOCK_K": block_k}

@@ -70,7 +70,49 @@ def largest_rows(results):
     return rows, size_of(rows[0]["shape"])
 
 
+def is_compute_bound(results):
+    """gemm reports TFLOP/s against the bf16 matmul ceiling; the others GB/s against copy."""
+    return "bf16_matmul_TFLOPs" in results["ceilings"]
+
+
+def compute_table(results):
+    """One line per dtype and shape: TFLOP/s of torch.addmm (cuBLAS), and of Triton and CuTe
+    with their share of cuBLAS's rate and of the bf16 matmul ceiling."""
+    ceiling = results["ceilings"]["bf16_matmul_TFLOPs"]
+    lines = [
+        f"{results['device']}; bf16 matmul ceiling (torch.matmul, bfloat16 8192^3) measured in "
+        f"the same run: {ceiling:.0f} TFLOP/s. TFLOP/s (% of cuBLAS, % of the ceiling).",
+        "",
+        "| dtype | m x n x k | cuBLAS | Triton | CuTe |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    cases = dict.fromkeys((row["dtype"], tuple(row["shape"])) for row in results["rows"])
+    for dtype, shape in cases:
+        rate = {
+            r["impl"]: r
+            for r in results["rows"]
+            if (r["dtype"], tuple(r["shape"])) == (dtype, shape)
+        }
+        cells = []
+        for impl in ("triton", "cute"):
+            r = rate.get(impl)
+            cells.append(
+                f"{r['TFLOPs']:.1f} ({100 * r['vs_library']:.0f}%, {r['pct_of_ceiling']:.0f}%)"
+                if r
+                else ""
+            )
+        lines.append(
+            f"| {dtype} | {' x '.join(map(str, shape))} | {rate['library']['TFLOPs']:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += ["", "![TFLOP/s per shape](perf.png)"]
+    return "\n".join(lines)
+
+
 def folder_table(results):
+    if is_compute_bound(results):
+        return compute_table(results)
     rows, size = largest_rows(results)
     layout = "layout" in rows[0]  # matrix kernels report row- and column-major A separately
     lines = [
@@ -103,7 +145,20 @@ def replace_block(path, body):
 
 
 def summary(results):
-    """Triton's and CuTe's % of the copy ceiling at the largest size, per dtype (and layout)."""
+    """Triton's and CuTe's % of the copy ceiling at the largest size, per dtype (and layout);
+    for gemm their % of cuBLAS at 8192^3."""
+    if is_compute_bound(results):
+        parts = []
+        for dtype in dict.fromkeys(row["dtype"] for row in results["rows"]):
+            shape = [4096] * 3 if dtype == "float32" else [8192] * 3
+            pct = {
+                r["impl"]: 100 * r["vs_library"]
+                for r in results["rows"]
+                if r["dtype"] == dtype and r["shape"] == shape
+            }
+            kernels = [f"{impl} {pct[impl]:.0f}%" for impl in ("triton", "cute") if impl in pct]
+            parts.append(f"{dtype} {shape[0]}^3: " + ", ".join(kernels))
+        return "% of cuBLAS: " + "; ".join(parts)
     rows, size = largest_rows(results)
     parts = []
     for case in dict.fromkeys((row["dtype"], row.get("layout")) for row in rows):
@@ -130,7 +185,7 @@ def main(logs):
     kept = current_rows()
     table = [
         "| Name | Description | Equation | Flops | Data | Python | PyTorch | Triton | CuTe | Test "
-        "| H200: % of copy bandwidth at the largest size |",
+        "| H200: % of copy bandwidth at the largest size (gemm: % of cuBLAS) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, (description, equation, flops, data) in KERNELS.items():
