@@ -27,16 +27,16 @@ laid along A's contiguous dimension. That gives two kernels (README.md, "Two map
   is put together level by level: the lanes in the thread (a pairwise tree, 4 levels), the 32
   threads of each warp (shfl.sync.bfly, 5 levels), and the 4 warps of the row through shared
   memory (one barrier, a pairwise tree of 2 levels).
-`column_major_kernel`, columns contiguous. A block owns 8 v rows (32 float32 or 64 16-bit rows:
-  one 128-byte cache line of every column) and walks the columns in tiles of 32 c columns. The
-  thread layout (8, 32):(1, 8) makes thread t the pair (t mod 8, t div 8): 8 threads down the
-  rows, each with one 16-byte vector of v rows, times 32 across the columns, each taking
-  c = 16 / v columns of every tile (4 for float32, 2 for 16-bit data), columns t div 8 + 32 q.
-  A thread accumulates its v rows times c columns in 16 float32 lanes, one FMA per element:
-  the sum over columns stays in its own registers, and no shuffle is needed. At the end each
-  thread adds its c column lanes per row (a pairwise tree), the 32 column threads of a row
-  meet in shared memory (one barrier), and one thread per row adds their 32 partial sums (a
-  pairwise tree, 5 levels) and finishes the row.
+`column_major_kernel`, columns contiguous. A block owns 32 rows and walks the columns in tiles
+  of 128. Each thread holds one 16-byte vector of v rows (v = 4 float32 or 8 16-bit) in each
+  of c = 16 / v of the tile's columns, so d = 32 / v threads cover a column's 32 rows (8 for
+  float32: one 128-byte line; 4 for 16-bit data: half a line) and 256 / d across the columns
+  (32 or 64). The thread layout (d, 256 / d):(1, d) makes thread t the pair (t mod d, t div d),
+  taking columns t div d + (256 / d) q. A thread accumulates its v rows times c columns in 16
+  float32 lanes, one FMA per element: the sum over columns stays in its own registers, and no
+  shuffle is needed. At the end each thread adds its c column lanes per row (a pairwise tree),
+  the 256 / d column threads of a row meet in shared memory (one barrier), and one thread per
+  row adds their partial sums (a pairwise tree, 5 or 6 levels) and finishes the row.
 
 Common to both:
 * Full tiles of a vector build (A's contiguous dimension has stride 1 and 16-byte aligned
@@ -72,23 +72,34 @@ VECTOR_BYTES = 16
 # elements of A one thread loads per tile, four 16-byte vectors of float32 or two of 16-bit
 # data, all in flight together. The vector builds use 52 to 88 registers per thread
 # (ptxas -v on the sm_90a PTX): two or three blocks of 256 threads per SM.
+# 32 lanes for 16-bit data (64 bytes a thread, as float32) measured slower on the H200 at
+# 16384 x 16384 bfloat16: row-major 80% of the copy bandwidth against 92%, column-major 86%
+# against 90%.
 LANES_PER_THREAD = 16
 # Row-major: four warps per row, so m = 16384 makes 8192 blocks and each thread of a 16384-long
 # float32 row adds 8 tiles in series rather than 32.
 WARPS_PER_ROW = 4
 THREADS_PER_ROW = WARPS_PER_ROW * WARP_SIZE
 ROWS_PER_BLOCK = WARPS_PER_BLOCK // WARPS_PER_ROW
-# Column-major: 8 threads of 16 bytes cover 128 bytes of a column, one cache line, so a block
-# owns 32 float32 or 64 16-bit rows and m = 16384 makes 512 or 256 blocks for the 132 SMs.
-# The other 32 threads of the thread layout spread over the columns.
-THREADS_PER_COLUMN = 8
-COLUMN_THREADS = THREADS_PER_BLOCK // THREADS_PER_COLUMN
+# Column-major: a block owns 32 rows in every dtype, so m = 16384 makes 512 blocks for the 132
+# SMs. 32 float32 rows are 8 threads of 16 bytes, one 128-byte cache line of each column; 32
+# 16-bit rows are 4 threads, half a line. Whole lines of 16-bit data (64 rows) would leave only
+# 256 blocks: the H200 ran that at 71% of the copy bandwidth, float32's 512 blocks at 98%.
+COLUMN_BLOCK_ROWS = 32
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
     torch.float16: cutlass.Float16,
     torch.bfloat16: cutlass.BFloat16,
 }
+
+
+def column_threads(rows_per_thread):
+    """(threads down a column, threads across the columns) of the column-major thread layout
+    when each thread holds one vector of rows_per_thread rows: 8 x 32 for float32, 4 x 64 for
+    16-bit data."""
+    down = COLUMN_BLOCK_ROWS // rows_per_thread
+    return down, THREADS_PER_BLOCK // down
 
 
 def pairwise_sum(values):
@@ -231,9 +242,10 @@ def column_major_kernel(
     thread, _, _ = cute.arch.thread_idx()
     block_idx, _, _ = cute.arch.block_idx()
     block = cutlass.Int64(block_idx)  # 32-bit register, widened before multiplying
-    block_rows = THREADS_PER_COLUMN * rows_per_thread
+    block_rows = COLUMN_BLOCK_ROWS
+    threads_down, threads_across = column_threads(rows_per_thread)
     columns_per_thread = LANES_PER_THREAD // rows_per_thread
-    tile_columns = COLUMN_THREADS * columns_per_thread
+    tile_columns = threads_across * columns_per_thread
     row_sum = cutlass.Float32(0.0)
     if cutlass.const_expr(read_a):
         tile = (block_rows, tile_columns)
@@ -266,16 +278,16 @@ def column_major_kernel(
             )  # fmt: skip
         # Register k holds row k mod v of the thread's vector and its column k div v.
         partials = cute.make_tensor(
-            cute.arch.alloc_smem(cutlass.Float32, block_rows * COLUMN_THREADS),
-            cute.make_layout((block_rows, COLUMN_THREADS), stride=(1, block_rows)),
+            cute.arch.alloc_smem(cutlass.Float32, block_rows * threads_across),
+            cute.make_layout((block_rows, threads_across), stride=(1, block_rows)),
         )
-        row_thread, column_thread = thread % THREADS_PER_COLUMN, thread // THREADS_PER_COLUMN
+        row_thread, column_thread = thread % threads_down, thread // threads_down
         for r in cutlass.range_constexpr(rows_per_thread):
             own_columns = [lanes[r + rows_per_thread * c] for c in range(columns_per_thread)]
             partials[row_thread * rows_per_thread + r, column_thread] = pairwise_sum(own_columns)
-        cute.arch.sync_threads()  # all 32 partial sums of every row are in shared memory
+        cute.arch.sync_threads()  # all partial sums of every row are in shared memory
         if thread < block_rows:
-            row_sum = pairwise_sum([partials[thread, c] for c in range(COLUMN_THREADS)])
+            row_sum = pairwise_sum([partials[thread, c] for c in range(threads_across)])
     row = block * block_rows + thread
     if thread < block_rows and row < m:
         finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
@@ -291,11 +303,11 @@ def tiled_copies(dtype, layout, vector_elems):
         thread_layout = cute.make_layout(THREADS_PER_ROW)
         value_layout = cute.make_layout(elems_per_vector)
     else:
-        # (8, 32):(1, 8): thread t is (t mod 8) down the rows and (t div 8) across the columns,
-        # and holds one vector of v rows of each of its columns.
-        thread_layout = cute.make_layout(
-            (THREADS_PER_COLUMN, COLUMN_THREADS), stride=(1, THREADS_PER_COLUMN)
-        )
+        # (d, c):(1, d), (8, 32) for float32 and (4, 64) for 16-bit data: thread t is (t mod d)
+        # down the rows and (t div d) across the columns, and holds one vector of v rows of
+        # each of its columns.
+        down, across = column_threads(elems_per_vector)
+        thread_layout = cute.make_layout((down, across), stride=(1, down))
         value_layout = cute.make_layout((elems_per_vector, 1))
     copies = []
     for bits in (dtype.width * vector_elems, dtype.width):
@@ -357,7 +369,7 @@ def launch_gemv(
             A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, rows_per_thread,
             read_a, read_y,
         )  # fmt: skip
-        rows_per_block = THREADS_PER_COLUMN * rows_per_thread
+        rows_per_block = COLUMN_BLOCK_ROWS
     kernel.launch(
         grid=[cute.ceil_div(m, rows_per_block), 1, 1],
         block=[THREADS_PER_BLOCK, 1, 1],
@@ -439,7 +451,7 @@ def record_coordinates(
     if cutlass.const_expr(layout == "row"):
         tile = THREADS_PER_ROW * LANES_PER_THREAD
     else:
-        tile = (THREADS_PER_COLUMN * v, COLUMN_THREADS * (LANES_PER_THREAD // v))
+        tile = (COLUMN_BLOCK_ROWS, column_threads(v)[1] * (LANES_PER_THREAD // v))
     identity = cute.make_identity_tensor(tile)
     for i in cutlass.range_constexpr(len(threads)):
         for thread_copy in (tile_copy, element_copy):

@@ -17,9 +17,10 @@ warp reads fast only when its threads touch adjacent addresses (README.md, "Two 
 row-major    the rows are contiguous: a wide tile, 16 rows by 1 KiB of columns, whose rows
              are read as runs of 16-byte vectors; the lanes of a row sit in different threads
              and the final tree crosses them.
-column-major the columns are contiguous: a tall tile, 128 bytes of rows (one cache line of each
-             column) by 128 columns; each thread holds a few rows of several columns, so most
-             of its accumulation is over columns inside its own registers.
+column-major the columns are contiguous: a tall tile, 32 rows (one 128-byte cache line of each
+             float32 column, half a line of 16-bit data) by 16 KiB of columns; each thread
+             holds a few rows of several columns, so most of its accumulation is over
+             columns inside its own registers.
 
 Triton picks which threads hold which elements from the strides it sees (a stride of 1 is
 specialised at compile time), so one kernel serves both; `tile_shape` chooses the tile.
@@ -34,16 +35,23 @@ import triton.language as tl
 
 from reference import check_operands, to_float32
 
-# 16 KiB of A per program and step: over 8 warps, 64 bytes (four 16-byte loads) per thread in
-# flight, and the lanes stay in registers (16 float32 per thread, 32 for 16-bit data): 48 to 78
-# registers per thread for a contiguous A (ptxas on the sm_90 PTX), so 3 to 5 programs per SM.
-TILE_BYTES = 16384
-NUM_WARPS = 8
-# Row-major: 16 rows per program, so m = 16384 makes 1024 programs for the H200's 132 SMs.
-ROWS_PER_ROW_TILE = 16
-# Column-major: each column's part of the tile is one 128-byte cache line (32 float32 or 64
-# 16-bit rows), so m = 16384 still makes 512 (float32) or 256 (16-bit) programs.
-COLUMN_RUN_BYTES = 128
+# (BLOCK_M, BLOCK_N, num_warps) per mapping and element size in bytes.
+# float32: 16 KiB of A per program and step over 8 warps, 64 bytes (four 16-byte loads) per
+# thread in flight, the lanes (16 float32 per thread) in registers: 48 (column) to 62 (row)
+# registers a thread (ptxas on the sm_90 PTX). Row-major tiles are 16 rows (m = 16384 makes 1024
+# programs for the H200's 132 SMs), column-major ones 32 rows (512 programs).
+# 16-bit data: picked by timing candidates at 16384 x 16384 bfloat16 on the H200 (README.md).
+# Row-major: 16 x 1024, 32 KiB a step, 128 bytes a thread in flight (96.7% of the copy
+# bandwidth, against 95.2% for 16 x 512). Column-major: the wave count decides. 32 x 256 over 8
+# warps needs 80 registers a thread, so 3 programs fit on an SM: 396 at a time for 512, a second
+# wave with most SMs idle (75.7%); 32 x 128 over 4 warps keeps 64 bytes a thread in flight and
+# fits 6 programs of 128 threads on an SM, so all 512 run at once (86.5%).
+TILES = {
+    ("row", 4): (16, 256, 8),
+    ("row", 2): (16, 1024, 8),
+    ("col", 4): (32, 128, 8),
+    ("col", 2): (32, 128, 4),
+}
 
 
 def mapping(A):
@@ -54,9 +62,12 @@ def mapping(A):
 
 def tile_shape(layout, dtype):
     """(BLOCK_M, BLOCK_N) for the 'row' or 'col' mapping of a matrix of `dtype`."""
-    if layout == "row":
-        return ROWS_PER_ROW_TILE, TILE_BYTES // (ROWS_PER_ROW_TILE * dtype.itemsize)
-    return COLUMN_RUN_BYTES // dtype.itemsize, TILE_BYTES // COLUMN_RUN_BYTES
+    return TILES[layout, dtype.itemsize][:2]
+
+
+def num_warps(layout, dtype):
+    """The warps of one program for the 'row' or 'col' mapping of a matrix of `dtype`."""
+    return TILES[layout, dtype.itemsize][2]
 
 
 @triton.jit
@@ -128,12 +139,13 @@ def gemv(alpha, A, x, beta, y):
     if m == 0:
         return y
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
-    block_m, block_n = tile_shape(mapping(A), A.dtype)
+    layout = mapping(A)
+    block_m, block_n = tile_shape(layout, A.dtype)
     with device:
         gemv_kernel[(triton.cdiv(m, block_m),)](
             A, x, y, m, n, A.stride(0), A.stride(1), x.stride(0), y.stride(0), alpha32, beta32,
             READ_A=alpha32 != 0.0 and n > 0, READ_Y=beta32 != 0.0,
             BLOCK_M=block_m, BLOCK_N=block_n, LOG2_BLOCK_N=block_n.bit_length() - 1,
-            num_warps=NUM_WARPS,
+            num_warps=num_warps(layout, A.dtype),
         )  # fmt: skip
     return y
