@@ -13,17 +13,19 @@ variants: alpha32 == 0 or k == 0 builds no load of A or B at all, beta32 == 0 no
 
 Step 1: `plain_kernel`, tiles on the CUDA cores
 -----------------------------------------------
-A block of 256 threads owns a 64 x 64 tile of C. It walks along k, 16 at a step: each thread
-loads 4 elements of the 64 x 16 tile of A and 4 of the 16 x 64 tile of B (any strides, each
-load predicated on the m, n and k edges, 0 outside), widens them to float32 into shared
-memory, and after a barrier every thread adds the 16 rank-1 updates into its own 4 x 4
-register tile: thread t owns rows t div 16 + 16 i and columns t mod 16 + 16 j, so at each
-step the 32 threads of a warp read 2 words of the A tile (broadcast) and 16 adjacent words of
-the B tile: no bank conflicts. Each update is one fma.rn.f32 (the product is not rounded on
-its own), so s_ij is a serial sum along k. This path takes what the tensor cores cannot:
-IEEE float32 (wgmma has no IEEE float32, only TF32), operands whose strides TMA refuses, and
-dimensions of 2**31 and more; its offsets are 64-bit, so matrices of 2**31 elements and more
-index correctly. It also serves alpha32 == 0 and k == 0, where nothing is multiplied.
+A block of 256 threads owns a 128 x 128 tile of C and walks k 8 at a step; thread t owns an
+8 x 8 register tile, four 4 x 4 sub-tiles at rows 4 (t div 16) + 64 i + r and columns
+4 (t mod 16) + 64 j + c. Per k it reads 8 values of A and 8 of B from shared memory (four
+128-bit ld.shared.v4) for 64 fmas. Shared memory holds a k step of A transposed (k-major, rows
+padded to 132 words so the transposing stores do not collide in a bank) and of B as it is;
+two buffers, and the next step's global loads (scalar, any strides, each predicated on the m,
+n and k edges, 0 outside, widened to float32) are issued into registers before this step's
+fmas and stored to the other buffer after them: one barrier a step. Each update is one
+fma.rn.f32 (the product is not rounded on its own), so s_ij is a serial sum along k. This
+path takes what the tensor cores cannot: IEEE float32 (wgmma has no IEEE float32, only TF32),
+operands whose strides TMA refuses, and dimensions of 2**31 and more; its offsets are 64-bit,
+so matrices of 2**31 elements and more index correctly. It also serves alpha32 == 0 and
+k == 0, where nothing is multiplied.
 
 Final step: `hopper_kernel`, TMA + wgmma + warp specialisation
 --------------------------------------------------------------
@@ -110,12 +112,30 @@ GROUP_M = 8
 # The H200 has 132 SMs: the large Hopper tile when C has at least one per SM.
 SM_COUNT = 132
 
-# Step 1, the plain kernel: 256 threads, a 64 x 64 tile of C, 16 x 16 threads of 4 x 4.
+# Step 1, the plain kernel: 256 threads, a 128 x 128 tile of C, 16 x 16 threads of 8 x 8 each
+# (four 4 x 4 sub-tiles, 64 rows and 64 columns apart).
 PLAIN_THREADS = 256
-PLAIN_TILE = 64
-PLAIN_TILE_K = 16
+PLAIN_TILE = 128
+# k values a step: 8 keeps the staging registers (8 a thread) and shared memory small; a step
+# is still 512 fmas a thread between two barriers.
+PLAIN_TILE_K = 8
 PLAIN_THREADS_PER_ROW = 16
-PLAIN_PER_THREAD = PLAIN_TILE // PLAIN_THREADS_PER_ROW
+PLAIN_VECTOR = 4  # a 4 x 4 sub-tile: 4 adjacent words of shared memory, one ld.shared.v4
+PLAIN_SUBTILES = PLAIN_TILE // (PLAIN_THREADS_PER_ROW * PLAIN_VECTOR)  # 2 along m and along n
+PLAIN_PER_THREAD = PLAIN_VECTOR * PLAIN_SUBTILES  # 8 x 8 outputs a thread
+# Each shared-memory k row of A is padded from 128 to 132 words: the transposing store of 8
+# adjacent k of 4 rows (a warp's A loads) then hits 32 different banks, where 128 words a row
+# would put all 8 k of a row in one bank. 132 keeps the rows 16-byte aligned for v4 loads.
+PLAIN_A_ROW_WORDS = PLAIN_TILE + PLAIN_VECTOR
+# Per thread and step: 128 x 8 values of A and 8 x 128 of B over 256 threads.
+PLAIN_LOADS_PER_THREAD = PLAIN_TILE * PLAIN_TILE_K // PLAIN_THREADS
+PLAIN_STAGES = 2
+# One block an SM, said to the compiler (nvvm.minctasm): a thread may then take up to 255 of
+# the 65536 / 256 registers, and does (64 accumulators, 2 x 16 fragments as ptxas double-buffers
+# the shared-memory reads, 8 staged values, addresses), with no spills and the address
+# arithmetic kept out of the loop. Two blocks would cap a thread at 128 registers: ptxas then
+# spills 28 bytes and recomputes 64-bit addresses inside the loop.
+PLAIN_BLOCKS_PER_SM = 1
 
 # The Hopper kernel. wgmma is issued by a warpgroup, 4 warps of 32 threads, and its M is 64:
 # two consumer warpgroups make a 128-row tile, so each B tile in shared memory feeds 128 rows.
@@ -193,6 +213,28 @@ def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
     cute.autovec_copy(c_registers, c_mine)
 
 
+@cute.jit
+def load_k_step(matrix, staged, offset, q_stride, inside, ks, k_left):
+    """staged[q] = the thread's element q of a k step, widened to float32: the element at
+    offset + q q_stride if inside[q] (its row of A or column of B is inside the matrix) and
+    ks[q] < k_left (its k, counted from the step's first, is); else 0.0 and nothing is read."""
+    for q in cutlass.range_constexpr(PLAIN_LOADS_PER_THREAD):
+        staged[q] = cutlass.Float32(0.0)
+        if inside[q]:
+            if ks[q] < k_left:
+                element = matrix.iterator + (offset + q * q_stride)
+                staged[q] = element.load().to(cutlass.Float32)
+
+
+@cute.jit
+def store_k_step(a_tiles, b_tiles, a_next, b_next, stage, thread):
+    """The staged registers into shared-memory buffer `stage`: A transposed, B as it is."""
+    for q in cutlass.range_constexpr(PLAIN_LOADS_PER_THREAD):
+        e = thread + PLAIN_THREADS * q
+        a_tiles[e // PLAIN_TILE_K, e % PLAIN_TILE_K, stage] = a_next[q]
+        b_tiles[e % PLAIN_TILE, e // PLAIN_TILE, stage] = b_next[q]
+
+
 @cute.kernel
 def plain_kernel(
     A: cute.Tensor,
@@ -211,56 +253,103 @@ def plain_kernel(
     # blockIdx is a 32-bit register: widen it before the tile's first row and column are formed.
     tile_m, tile_n = tile_of_block(cutlass.Int64(block), m, n, PLAIN_TILE, PLAIN_TILE)
     first_row, first_col = tile_m * PLAIN_TILE, tile_n * PLAIN_TILE
+    # The thread's sub-tiles start at row 4 my_row (+ 64 i) and column 4 my_col (+ 64 j).
     my_row, my_col = thread // PLAIN_THREADS_PER_ROW, thread % PLAIN_THREADS_PER_ROW
-    acc = cute.make_rmem_tensor((PLAIN_PER_THREAD, PLAIN_PER_THREAD), cutlass.Float32)
+    acc = cute.make_rmem_tensor(
+        (PLAIN_PER_THREAD, PLAIN_PER_THREAD), cutlass.Float32
+    )  # acc[PLAIN_VECTOR * i + r, PLAIN_VECTOR * j + c]
     acc.fill(0.0)
     if cutlass.const_expr(read_ab):
-        # Both tiles row-major in shared memory: a warp's 32 stores below go to 32 adjacent
-        # words, and its reads of a k row of the B tile to 16 adjacent words (no bank conflicts).
         smem = SmemAllocator()
-        a_tile = smem.allocate_tensor(
+        # (tile row or column, k, stage); both k-major, A's k rows padded (PLAIN_A_ROW_WORDS).
+        a_tiles = smem.allocate_tensor(
             cutlass.Float32,
-            cute.make_layout((PLAIN_TILE, PLAIN_TILE_K), stride=(PLAIN_TILE_K, 1)),
+            cute.make_layout(
+                (PLAIN_TILE, PLAIN_TILE_K, PLAIN_STAGES),
+                stride=(1, PLAIN_A_ROW_WORDS, PLAIN_A_ROW_WORDS * PLAIN_TILE_K),
+            ),
             byte_alignment=16,
         )
-        b_tile = smem.allocate_tensor(
+        b_tiles = smem.allocate_tensor(
             cutlass.Float32,
-            cute.make_layout((PLAIN_TILE_K, PLAIN_TILE), stride=(PLAIN_TILE, 1)),
+            cute.make_layout(
+                (PLAIN_TILE, PLAIN_TILE_K, PLAIN_STAGES),
+                stride=(1, PLAIN_TILE, PLAIN_TILE * PLAIN_TILE_K),
+            ),
             byte_alignment=16,
         )
-        loads_per_thread = PLAIN_TILE * PLAIN_TILE_K // PLAIN_THREADS
-        for k_start in cutlass.range(0, k, PLAIN_TILE_K, unroll=1):
-            # Consecutive threads take consecutive k of A and consecutive columns of B: the
-            # loads are coalesced for row-major operands, the common case.
-            for q in cutlass.range_constexpr(loads_per_thread):
-                e = thread + PLAIN_THREADS * q
-                a_row, a_k = e // PLAIN_TILE_K, e % PLAIN_TILE_K
-                b_k, b_col = e // PLAIN_TILE, e % PLAIN_TILE
-                a_value = cutlass.Float32(0.0)  # outside the matrix: 0, which adds exactly
-                if first_row + a_row < m:
-                    if k_start + a_k < k:
-                        a_value = A[first_row + a_row, k_start + a_k].to(cutlass.Float32)
-                b_value = cutlass.Float32(0.0)
-                if k_start + b_k < k:
-                    if first_col + b_col < n:
-                        b_value = B[k_start + b_k, first_col + b_col].to(cutlass.Float32)
-                a_tile[a_row, a_k] = a_value
-                b_tile[b_k, b_col] = b_value
-            cute.arch.sync_threads()  # the whole tile is in shared memory before anyone reads
+        # The same buffers cut into 4-word vectors: (word, vector, k, stage).
+        a_vectors = cute.flat_divide(a_tiles, (PLAIN_VECTOR,))
+        b_vectors = cute.flat_divide(b_tiles, (PLAIN_VECTOR,))
+        # Thread t stages the elements e = t + PLAIN_THREADS q of each k step: A's at row
+        # e div TILE_K, k e mod TILE_K and B's at k e div TILE_N, column e mod TILE_N, so that
+        # consecutive threads read consecutive k of A and consecutive columns of B. Addresses:
+        # `a_offset` is the offset of the thread's first A element, moved one k step at a time
+        # (a 64-bit add: the compiler would otherwise redo two 64-bit multiplies per element),
+        # and element q sits q strides of rows of A (k of B) further.
+        elements = [thread + PLAIN_THREADS * q for q in range(PLAIN_LOADS_PER_THREAD)]
+        a_rows = [first_row + e // PLAIN_TILE_K for e in elements]
+        a_ks = [e % PLAIN_TILE_K for e in elements]
+        b_ks = [e // PLAIN_TILE for e in elements]
+        b_cols = [first_col + e % PLAIN_TILE for e in elements]
+        a_rows_inside = [row < m for row in a_rows]
+        b_cols_inside = [col < n for col in b_cols]
+        a_offset = cute.crd2idx((a_rows[0], a_ks[0]), A.layout)
+        b_offset = cute.crd2idx((b_ks[0], b_cols[0]), B.layout)
+        # Element q is q PLAIN_THREADS / TILE_K rows of A (q PLAIN_THREADS / TILE_N k of B)
+        # after element 0: PLAIN_THREADS is a multiple of both.
+        a_q_stride = cute.crd2idx((PLAIN_THREADS // PLAIN_TILE_K, 0), A.layout)
+        b_q_stride = cute.crd2idx((PLAIN_THREADS // PLAIN_TILE, 0), B.layout)
+        a_k_step = cute.crd2idx((0, PLAIN_TILE_K), A.layout)
+        b_k_step = cute.crd2idx((PLAIN_TILE_K, 0), B.layout)
+        a_next = cute.make_rmem_tensor((PLAIN_LOADS_PER_THREAD,), cutlass.Float32)
+        b_next = cute.make_rmem_tensor((PLAIN_LOADS_PER_THREAD,), cutlass.Float32)
+
+        k_left = k  # k values from the step's first on
+        load_k_step(A, a_next, a_offset, a_q_stride, a_rows_inside, a_ks, k_left)
+        load_k_step(B, b_next, b_offset, b_q_stride, b_cols_inside, b_ks, k_left)
+        store_k_step(a_tiles, b_tiles, a_next, b_next, 0, thread)
+        cute.arch.sync_threads()
+        k_steps = (k + PLAIN_TILE_K - 1) // PLAIN_TILE_K
+        for step in cutlass.range(k_steps, unroll=1):
+            stage = step % PLAIN_STAGES
+            # Issue the next step's loads now; they land while the fmas below run. Past the
+            # last step every load is predicated off (0.0 into a buffer nobody reads).
+            a_offset = a_offset + a_k_step
+            b_offset = b_offset + b_k_step
+            k_left = k_left - PLAIN_TILE_K
+            load_k_step(A, a_next, a_offset, a_q_stride, a_rows_inside, a_ks, k_left)
+            load_k_step(B, b_next, b_offset, b_q_stride, b_cols_inside, b_ks, k_left)
             for kk in cutlass.range_constexpr(PLAIN_TILE_K):
-                for i in cutlass.range_constexpr(PLAIN_PER_THREAD):
-                    a_value = a_tile[my_row + PLAIN_THREADS_PER_ROW * i, kk]
-                    for j in cutlass.range_constexpr(PLAIN_PER_THREAD):
-                        b_value = b_tile[kk, my_col + PLAIN_THREADS_PER_ROW * j]
-                        acc[i, j] = acc[i, j] + a_value * b_value  # one fma.rn.f32
-            cute.arch.sync_threads()  # everyone is done with the tile before it is overwritten
-    for i in cutlass.range_constexpr(PLAIN_PER_THREAD):
-        for j in cutlass.range_constexpr(PLAIN_PER_THREAD):
-            row = first_row + my_row + PLAIN_THREADS_PER_ROW * i
-            col = first_col + my_col + PLAIN_THREADS_PER_ROW * j
+                a_values = [
+                    a_vectors[None, my_row + PLAIN_THREADS_PER_ROW * i, kk, stage].load()
+                    for i in range(PLAIN_SUBTILES)
+                ]
+                b_values = [
+                    b_vectors[None, my_col + PLAIN_THREADS_PER_ROW * j, kk, stage].load()
+                    for j in range(PLAIN_SUBTILES)
+                ]
+                for i in cutlass.range_constexpr(PLAIN_SUBTILES):
+                    for r in cutlass.range_constexpr(PLAIN_VECTOR):
+                        for j in cutlass.range_constexpr(PLAIN_SUBTILES):
+                            for c in cutlass.range_constexpr(PLAIN_VECTOR):
+                                row, col = PLAIN_VECTOR * i + r, PLAIN_VECTOR * j + c
+                                # one fma.rn.f32: the product is not rounded on its own
+                                acc[row, col] = acc[row, col] + a_values[i][r] * b_values[j][c]
+            # The other buffer was last read in the previous step, before the last barrier.
+            store_k_step(a_tiles, b_tiles, a_next, b_next, 1 - stage, thread)
+            cute.arch.sync_threads()  # the next buffer is written before anyone reads it
+    for i in cutlass.range_constexpr(PLAIN_SUBTILES):
+        for r in cutlass.range_constexpr(PLAIN_VECTOR):
+            row = first_row + PLAIN_VECTOR * (my_row + PLAIN_THREADS_PER_ROW * i) + r
             if row < m:
-                if col < n:
-                    finish_element(C, (row, col), acc[i, j], alpha, beta, read_ab, read_c)
+                for j in cutlass.range_constexpr(PLAIN_SUBTILES):
+                    for c in cutlass.range_constexpr(PLAIN_VECTOR):
+                        col = first_col + PLAIN_VECTOR * (my_col + PLAIN_THREADS_PER_ROW * j) + c
+                        if col < n:
+                            where = (row, col)
+                            here = acc[PLAIN_VECTOR * i + r, PLAIN_VECTOR * j + c]
+                            finish_element(C, where, here, alpha, beta, read_ab, read_c)
 
 
 def consume_k_step(mainloop, state, tiled_mma, acc, a_fragments, b_fragments):
@@ -450,8 +539,9 @@ def launch_plain(
     B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
     C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
     plain_kernel(A, B, C, m, n, k, alpha, beta, read_ab, read_c).launch(
-        grid=[blocks, 1, 1], block=[PLAIN_THREADS, 1, 1], stream=stream
-    )
+        grid=[blocks, 1, 1], block=[PLAIN_THREADS, 1, 1], stream=stream,
+        min_blocks_per_mp=PLAIN_BLOCKS_PER_SM,
+    )  # fmt: skip
 
 
 class MmaTF32Op(MmaOp):

@@ -211,14 +211,17 @@ def test_matches_reference(impl, layout, dtype, shape):
 @pytest.mark.parametrize("layout", ["NN", "TT"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_tiles(monkeypatch, layout, dtype):
-    """The large configuration (128 x 256 on the tensor cores, 128 x 64 for IEEE float32), which
-    the rule picks only for a C of 132 tiles or more (too big for the interpreter), forced on a
-    129 x 130 x 65 problem: every tile edge at once."""
-    large = triton_impl.configuration(4096, 4096, dtype)
-    assert large["BLOCK_M"] == 128 and large["BLOCK_N"] in (64, 256)
-    monkeypatch.setattr(triton_impl, "configuration", lambda m, n, dtype, allow_tf32: large)
-    A, B, C = operands(129, 130, 65, dtype, layout)
-    check("triton", ALPHA, A, B, BETA, C, "large tiles")
+    """The large configurations (128 x 256 and 128 x 128 on the tensor cores, 128 x 64 for IEEE
+    float32), which the rule picks only for a C of 132 tiles or more (too big for the
+    interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once."""
+    configs = {tuple(triton_impl.configuration(s, s, dtype).items()) for s in (4096, 2048)}
+    assert len(configs) == (1 if dtype == torch.float32 else 2)
+    for config in configs:
+        config = dict(config)
+        assert config["BLOCK_M"] == 128 and config["BLOCK_N"] in (64, 128, 256)
+        monkeypatch.setattr(triton_impl, "configuration", lambda *_, fixed=config: fixed)
+        A, B, C = operands(129, 130, 65, dtype, layout)
+        check("triton", ALPHA, A, B, BETA, C, f"tiles {config}")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -274,13 +277,16 @@ class LaunchRecorder:
 
 
 def test_configuration_rule():
-    """BLOCK_K is 128 bytes of a row; the large tile once C has at least one per H200 SM:
-    128 x 256 for 16-bit data, 128 x 128 for float32 with TF32, 128 x 64 for IEEE float32."""
+    """BLOCK_K is 128 bytes of a row; the largest tile of which C has at least one per H200 SM:
+    128 x 256, then 128 x 128 for 16-bit data, 128 x 128 for float32 with TF32, 128 x 64 for
+    IEEE float32; else 64 x 64."""
     for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
         assert triton_impl.configuration(16384, 4096, dtype)["BLOCK_K"] == block_k
     assert triton_impl.configuration(256, 256, torch.bfloat16)["BLOCK_M"] == 64
     assert triton_impl.configuration(1536, 2816, torch.bfloat16)["BLOCK_N"] == 256  # 12 x 11
-    assert triton_impl.configuration(1536, 2560, torch.bfloat16)["BLOCK_M"] == 64  # 12 x 10
+    medium = triton_impl.configuration(1536, 2560, torch.bfloat16)  # 12 x 10 wide, 12 x 20
+    assert (medium["BLOCK_N"], medium["num_stages"]) == (128, 4)
+    assert triton_impl.configuration(1408, 1408, torch.bfloat16)["BLOCK_M"] == 64  # 11 x 11
     assert triton_impl.configuration(1536, 768, torch.float32)["BLOCK_M"] == 128  # 12 x 12
     assert triton_impl.configuration(1536, 640, torch.float32)["BLOCK_M"] == 64  # 12 x 10
     tf32 = triton_impl.configuration(1536, 2816, torch.float32, True)
@@ -687,10 +693,11 @@ def test_cute_hopper_epilogue_in_pairs():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_plain_ptx(dtype):
     """The plain kernel is FMAs on the CUDA cores, IEEE float32 for float32: no wgmma, no TMA;
-    its alpha == 0 build loads nothing but C (its thread's 4 x 4 elements, no tiles in shared
-    memory), and with beta == 0 nothing at all."""
+    its alpha == 0 build loads nothing but C (its thread's 8 x 8 elements, no tiles in shared
+    memory), and with beta == 0 nothing at all; shared memory is read as 128-bit vectors."""
     ptx = cute_impl.ptx_of("plain", dtype)
     assert "fma.rn.f32" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
+    assert "ld.shared.v4" in ptx
     no_ab = cute_impl.ptx_of("plain", dtype, read_ab=False)
     assert "ld.shared" not in no_ab and "bar.sync" not in no_ab
     assert no_ab.count("ld.global") == cute_impl.PLAIN_PER_THREAD**2
