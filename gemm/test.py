@@ -44,12 +44,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
-# (m, n, k): 1x1x1, primes, and the edges of the 64 x 64 tiles and of BLOCK_K (32 float32,
-# 64 16-bit values). test_large_tiles covers the large configurations, test_grouped_order
-# more tile rows than GROUP_M.
+# (m, n, k): 1x1x1, primes, and the edges of Triton's 64 x 64 tiles, of the CuTe plain
+# kernel's 128 x 128 ones and of BLOCK_K (32 float32, 64 16-bit values; 8 for CuTe).
+# test_large_tiles covers Triton's large configurations, test_grouped_order more tile rows than
+# GROUP_M.
 SHAPES = [
     (1, 1, 1), (2, 3, 5), (7, 1, 13), (1, 17, 3), (13, 11, 31), (64, 64, 32), (65, 63, 33),
-    (31, 67, 65), (3, 5, 129),
+    (31, 67, 65), (3, 5, 129), (129, 130, 9),
 ]  # fmt: skip
 ALPHA, BETA = 0.3, -1.7  # the scalars of most tests: neither term dominates
 U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
