@@ -200,16 +200,13 @@ def finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c: cut
 @cute.jit
 def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
     """The epilogue of a whole tile of a row-major C: wgmma leaves each thread pairs of adjacent
-    columns, so C is read and written one pair per access (autovec_copy finds the width from
-    the layouts), with the same arithmetic as finish_element."""
+    columns, so C is read into registers and written back one pair per access (autovec_copy
+    finds the width from the layouts), and finish_element does its arithmetic on the copy."""
     c_registers = cute.make_rmem_tensor_like(c_mine)
     if cutlass.const_expr(read_c):
         cute.autovec_copy(c_mine, c_registers)
     for i in cutlass.range_constexpr(cute.size(acc)):
-        result = alpha * acc[i]
-        if cutlass.const_expr(read_c):
-            result = result + beta * c_registers[i].to(cutlass.Float32)
-        c_registers[i] = result.to(c_registers.element_type)
+        finish_element(c_registers, i, acc[i], alpha, beta, True, read_c)
     cute.autovec_copy(c_registers, c_mine)
 
 
