@@ -7,13 +7,17 @@ A, B and C, write C); from a few hundred on a side it is compute bound, so the m
 TFLOP/s = 2mnk / time. Shapes: squares from 256 to 16384, and m = 16384 with (n, k) from the
 projections of a 7B-class transformer layer: (4096, 4096), (11008, 4096), (4096, 11008),
 (14336, 4096); every shape in bfloat16, float16 and float32 (IEEE: no TF32), A and B row-major.
-Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call.
+Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call,
+taken in ROUNDS rounds that rotate the order of the implementations (the median of the rounds):
+at full tensor-core rate the H200's clock follows its power and temperature, so whichever ran
+first on a cool card would otherwise be favoured by a few percent.
 The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
 library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
 measured when it can be imported.
 """
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -25,6 +29,7 @@ import triton_impl
 KERNEL = "gemm"
 HERE = Path(__file__).resolve().parent
 ALPHA, BETA = 1.0, 0.5  # C stays bounded over the repeated in-place calls
+ROUNDS = 3
 
 
 def library_gemm(alpha, A, B, beta, C):
@@ -56,8 +61,19 @@ def gemm_call(gemm, A, B, C):
     return lambda: gemm(ALPHA, A, B, BETA, C)
 
 
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def interleaved_ms(calls):
+    """{name: ms}: the median over ROUNDS rounds of each call's median time, every round in a
+    rotated order, so that no implementation always runs first (cool) or last (hot)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(median_ms(calls[name], rep=40))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def matmul_ceiling_tflops(size=8192):
@@ -95,7 +111,7 @@ def main():
     for dtype in DTYPES:
         for m, n, k in SHAPES:
             A, B, C = make_operands(m, n, k, dtype)
-            times = {name: median_ms(gemm_call(f, A, B, C)) for name, f in IMPLS.items()}
+            times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in IMPLS.items()})
             for impl, ms in times.items():
                 tflops = 2 * m * n * k / ms / 1e9
                 rows.append(
