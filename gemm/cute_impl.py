@@ -13,29 +13,34 @@ variants: alpha32 == 0 or k == 0 builds no load of A or B at all, beta32 == 0 no
 
 Step 1: `plain_kernel`, tiles on the CUDA cores
 -----------------------------------------------
-A block of 256 threads owns a 128 x 128 tile of C and walks k 8 at a step; thread t owns an
-8 x 8 register tile, four 4 x 4 sub-tiles at rows 4 (t div 16) + 64 i + r and columns
-4 (t mod 16) + 64 j + c. Per k it reads 8 values of A and 8 of B from shared memory (four
-128-bit ld.shared.v4) for 64 fmas. Shared memory holds a k step of A transposed (k-major, rows
-padded to 132 words so the transposing stores do not collide in a bank) and of B as it is;
-two buffers, and the next step's global loads (scalar, any strides, each predicated on the m,
-n and k edges, 0 outside, widened to float32) are issued into registers before this step's
-fmas and stored to the other buffer after them: one barrier a step. Each update is one
-fma.rn.f32 (the product is not rounded on its own), so s_ij is a serial sum along k. This
-path takes what the tensor cores cannot: IEEE float32 (wgmma has no IEEE float32, only TF32),
-operands whose strides TMA refuses, and dimensions of 2**31 and more; its offsets are 64-bit,
-so matrices of 2**31 elements and more index correctly. It also serves alpha32 == 0 and
-k == 0, where nothing is multiplied.
+A block of 256 threads owns a 128 x 128 tile of C and walks k tile_k at a step; thread t owns
+an 8 x 8 register tile, four 4 x 4 sub-tiles at rows 4 (t div 16) + 64 i + r and columns 4 (t
+mod 16) + 64 j + c. Per k it reads 8 values of A and 8 of B from shared memory (four 128-bit
+ld.shared.v4) for 64 fmas. Shared memory holds a k step of A transposed (k-major, rows padded
+to 132 words so the transposing stores do not collide in a bank) and of B as it is, in two
+buffers. Global loads (predicated on the m, n and k edges, 0 outside, widened to float32) run
+two steps ahead: at the top of step s the registers loaded during step s - 1 are stored to the
+other buffer, step s + 2's loads are issued, step s is multiplied, one barrier. Two builds
+(PlainConfig): A and B row-major with bases, row strides, k and n multiples of 4
+(`vector_loads_ok`) load 4 adjacent elements at a time, k steps of 8, two blocks an SM;
+anything else (any strides) loads one element at a time, k steps of 16, one block an SM. Each
+update is one fma.rn.f32 (the product is not rounded on its own), so s_ij is a serial sum
+along k, in the same order in both builds. This path takes what the tensor cores cannot: IEEE
+float32 (wgmma has no IEEE float32, only TF32), operands whose strides TMA refuses, and
+dimensions of 2**31 and more; its offsets are 64-bit, so matrices of 2**31 elements and more
+index correctly. It also serves alpha32 == 0 and k == 0, where nothing is multiplied.
 
 Final step: `hopper_kernel`, TMA + wgmma + warp specialisation
 --------------------------------------------------------------
 C is cut into TILE_M x tile_n tiles (128 x 256 when C has at least one such tile per SM, else
 128 x 128), and a tile's product is a walk along k in steps of 128 bytes of a row (tile_k = 64
-16-bit or 32 float32 values). The kernel is persistent: it launches one block per SM (fewer
-when C has fewer tiles), and block b computes tiles b, b + blocks, b + 2 blocks, ... in the
-grouped order of README.md ("Why the grouped order helps L2": GROUP_M tile rows, column by
-column; the blocks running together still cover consecutive tiles). A block is three
-warpgroups (384 threads) with two jobs:
+16-bit or 32 float32 values). Blocks are launched in clusters of cluster_m (1 or 2) along m,
+and a cluster computes a "cluster tile" of cluster_m x 1 tiles, one per block. The kernel is
+persistent: it launches one block per SM (fewer when C has fewer tiles), and cluster c
+computes cluster tiles c, c + clusters, c + 2 clusters, ... in the grouped order of README.md
+("Why the grouped order helps L2": GROUP_M rows of cluster tiles, column by column; the
+clusters running together still cover consecutive tiles). A block is three warpgroups (384
+threads) with two jobs:
 
 * Producer, warpgroup 0: one thread of warp 0 issues TMA copies (cp.async.bulk.tensor) of
   the A tile (TILE_M x tile_k) and the B tile (tile_n x tile_k) of each k step into a ring of
@@ -59,6 +64,19 @@ warpgroups (384 threads) with two jobs:
   on 2-element boundaries (`in_pairs`), whole tiles move each pair as one access. Edge tiles
   and any other C (any strides) go element by element, each inside (m, n) (the coordinates
   come from an identity tensor partitioned like the accumulator).
+* Clusters (cluster_m = 2): two blocks of a thread-block cluster, on two SMs of one GPC,
+  compute tile rows 2r and 2r + 1 of one tile column, so they need the same B tile at every
+  k step. Each block loads half of it and its TMA multicasts that half into the shared memory
+  of both (cp.async.bulk.tensor...multicast::cluster), at the same place of the same stage,
+  completing the transaction count of each block's own "full" barrier: B crosses L2 once per
+  pair of tiles instead of twice. A stays per block. Since the block's TMA now writes into its
+  partner's buffers too, it may refill a stage only when the consumers of both blocks are done
+  with it: every consumer warp arrives on the "empty" barrier of each block of the cluster
+  (a remote arrive, mbarrier.arrive.shared::cluster), and each "empty" barrier waits for all
+  of them. The two blocks therefore walk the same tiles in lockstep, one ring step for one
+  ring step. When C has an odd number of tile rows, the block on the last, missing row still
+  runs: TMA zero-fills its A tile (the whole box lies past m), it loads and multicasts its half
+  of B for its partner, and its epilogue stores nothing (every element is outside (m, n)).
 * Shared memory: the ring takes STAGE_BUDGET_BYTES = 192 KiB, 4 stages of 48 KiB at 128 x 256
   (16 KiB of A, 32 KiB of B, in either dtype: a k step is 128 bytes of a row) or 6 stages of
   32 KiB at 128 x 128, plus 2 mbarriers a stage: one block per SM. The consumers' code fits
@@ -85,6 +103,7 @@ epilogue. TF32 inputs are the float32 bits with the low 13 bits dropped by the t
 
 import functools
 import tempfile
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -116,26 +135,50 @@ SM_COUNT = 132
 # (four 4 x 4 sub-tiles, 64 rows and 64 columns apart).
 PLAIN_THREADS = 256
 PLAIN_TILE = 128
-# k values a step: 8 keeps the staging registers (8 a thread) and shared memory small; a step
-# is still 512 fmas a thread between two barriers.
-PLAIN_TILE_K = 8
 PLAIN_THREADS_PER_ROW = 16
 PLAIN_VECTOR = 4  # a 4 x 4 sub-tile: 4 adjacent words of shared memory, one ld.shared.v4
 PLAIN_SUBTILES = PLAIN_TILE // (PLAIN_THREADS_PER_ROW * PLAIN_VECTOR)  # 2 along m and along n
 PLAIN_PER_THREAD = PLAIN_VECTOR * PLAIN_SUBTILES  # 8 x 8 outputs a thread
-# Each shared-memory k row of A is padded from 128 to 132 words: the transposing store of 8
-# adjacent k of 4 rows (a warp's A loads) then hits 32 different banks, where 128 words a row
+# Each shared-memory k row of A is padded from 128 to 132 words: the transposing store of a
+# warp's A elements (4 rows x 8 adjacent k) then hits 32 different banks, where 128 words a row
 # would put all 8 k of a row in one bank. 132 keeps the rows 16-byte aligned for v4 loads.
 PLAIN_A_ROW_WORDS = PLAIN_TILE + PLAIN_VECTOR
-# Per thread and step: 128 x 8 values of A and 8 x 128 of B over 256 threads.
-PLAIN_LOADS_PER_THREAD = PLAIN_TILE * PLAIN_TILE_K // PLAIN_THREADS
+# A warp's scalar A loads cover 8 adjacent k of 4 rows (one 32-byte sector a row when A is
+# row-major); a k step of 16 takes two such groups.
+PLAIN_A_K_GROUP = 8
 PLAIN_STAGES = 2
-# One block an SM, said to the compiler (nvvm.minctasm): a thread may then take up to 255 of
-# the 65536 / 256 registers, and does (64 accumulators, 2 x 16 fragments as ptxas double-buffers
-# the shared-memory reads, 8 staged values, addresses), with no spills and the address
-# arithmetic kept out of the loop. Two blocks would cap a thread at 128 registers: ptxas then
-# spills 28 bytes and recomputes 64-bit addresses inside the loop.
-PLAIN_BLOCKS_PER_SM = 1
+# The fast global loads move PLAIN_VECTOR adjacent elements at once (16 bytes of float32).
+PLAIN_LOAD_VECTOR = 4
+
+
+class PlainConfig(NamedTuple):
+    """Compile-time choices of the plain kernel (README.md says what each measured on the H200).
+
+    tile_k: k values a k step, 8 or 16. Every step ends in a barrier, and with one block an SM
+        a barrier idles the whole SM until its slowest warp arrives: 16 halves the barriers per
+        fma and doubles the time the next step's global loads have to land, for 8 more staging
+        registers and twice the shared memory (33 KiB).
+    vector_loads: load A and B PLAIN_LOAD_VECTOR elements at a time (ld.global.v4 for float32)
+        instead of one. Only valid when both are row-major, their bases and row strides are
+        multiples of the vector and k and n are too (`vector_loads_ok`), so a vector is either
+        wholly inside the matrix or wholly outside: a quarter of the load instructions, of the
+        predicates and of the 64-bit address adds. `gemm` takes it only where it is valid.
+    blocks_per_sm: 1 lets a thread use 255 registers; 2 caps it at 128 (nvvm.minctasm), twice
+        the warps to hide latency with, if ptxas fits the kernel without spilling.
+    """
+
+    tile_k: int
+    vector_loads: bool
+    blocks_per_sm: int
+
+
+# The two builds `gemm` chooses between, each the fastest of its kind on the H200 (IEEE float32
+# 8192^3 against cuBLAS's 51.1 TFLOP/s, README.md). Vector loads leave a thread 126 registers,
+# so two blocks fit an SM without spills: 48.7 TFLOP/s. Scalar loads need more (64-bit
+# addresses and predicates per element): at 128 registers ptxas spills, so one block an SM,
+# and k steps of 16 to halve its barriers: 41.9 TFLOP/s.
+PLAIN_VECTORS = PlainConfig(tile_k=8, vector_loads=True, blocks_per_sm=2)
+PLAIN_SCALARS = PlainConfig(tile_k=16, vector_loads=False, blocks_per_sm=1)
 
 # The Hopper kernel. wgmma is issued by a warpgroup, 4 warps of 32 threads, and its M is 64:
 # two consumer warpgroups make a 128-row tile, so each B tile in shared memory feeds 128 rows.
@@ -177,6 +220,17 @@ def tile_of_block(block, m, n, tile_m: cutlass.Constexpr, tile_n: cutlass.Conste
 
 
 @cute.jit
+def tile_of_cta(
+    cluster_tile, rank, m, n, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+):  # fmt: skip
+    """(tile row, tile column) of the Hopper kernel's block of rank `rank` in its cluster, when
+    the cluster computes cluster tile `cluster_tile`: cluster tiles (cluster_m tile rows, one
+    tile column) run in the grouped order, and the blocks of a cluster take its rows in turn."""
+    cluster_row, tile_column = tile_of_block(cluster_tile, m, n, cluster_m * TILE_M, tile_n)
+    return cluster_row * cluster_m + rank, tile_column
+
+
+@cute.jit
 def finish_element(
     C, where, acc, alpha, beta, read_ab: cutlass.Constexpr, read_c: cutlass.Constexpr
 ):
@@ -211,25 +265,88 @@ def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
 
 
 @cute.jit
-def load_k_step(matrix, staged, offset, q_stride, inside, ks, k_left):
-    """staged[q] = the thread's element q of a k step, widened to float32: the element at
-    offset + q q_stride if inside[q] (its row of A or column of B is inside the matrix) and
-    ks[q] < k_left (its k, counted from the step's first, is); else 0.0 and nothing is read."""
-    for q in cutlass.range_constexpr(PLAIN_LOADS_PER_THREAD):
-        staged[q] = cutlass.Float32(0.0)
+def load_k_step(matrix, staged, offset, deltas, inside, ks, k_left, width: cutlass.Constexpr):
+    """staged[None, q] = the thread's q-th vector of `width` elements of a k step, widened to
+    float32: the elements at offset + deltas[q] + (0 .. width - 1) if inside[q] (its row of A
+    or columns of B are inside the matrix) and ks[q] < k_left (its k, counted from the step's
+    first, is); else 0.0 and nothing is read. The vectors lie along the matrix's stride-1
+    dimension; width > 1 is only built when k and n are multiples of width, so a vector is
+    inside or outside as a whole, and its offset is a multiple of width (one aligned load)."""
+    for q in cutlass.range_constexpr(len(deltas)):
+        staged[None, q].fill(0.0)
         if inside[q]:
             if ks[q] < k_left:
-                element = matrix.iterator + (offset + q * q_stride)
-                staged[q] = element.load().to(cutlass.Float32)
+                where = (
+                    cute.assume(offset + deltas[q], divby=width)
+                    if width > 1
+                    else offset + deltas[q]
+                )
+                vector = cute.make_tensor(matrix.iterator + where, cute.make_layout(width))
+                staged[None, q].store(vector.load().to(cutlass.Float32))
 
 
 @cute.jit
-def store_k_step(a_tiles, b_tiles, a_next, b_next, stage, thread):
-    """The staged registers into shared-memory buffer `stage`: A transposed, B as it is."""
-    for q in cutlass.range_constexpr(PLAIN_LOADS_PER_THREAD):
-        e = thread + PLAIN_THREADS * q
-        a_tiles[e // PLAIN_TILE_K, e % PLAIN_TILE_K, stage] = a_next[q]
-        b_tiles[e % PLAIN_TILE, e // PLAIN_TILE, stage] = b_next[q]
+def store_k_step(a_tiles, b_tiles, a_next, b_next, a_places, b_places, stage):
+    """The staged registers into shared-memory buffer `stage`: A transposed (a vector of A is
+    adjacent k of one row: one scalar store each), B as it is (a vector of B is adjacent
+    columns of one k: one store of the whole vector)."""
+    width = cute.size(a_next, mode=[0])
+    for q in cutlass.range_constexpr(len(a_places)):
+        row, k0 = a_places[q]
+        for w in cutlass.range_constexpr(width):
+            a_tiles[row, k0 + w, stage] = a_next[w, q]
+    b_runs = cute.flat_divide(b_tiles, (width,))  # (word, run of the row, k, stage)
+    for q in cutlass.range_constexpr(len(b_places)):
+        col, kk = b_places[q]
+        b_runs[None, col // width, kk, stage].store(b_next[None, q].load())
+
+
+@cute.jit
+def multiply_k_step(acc, a_vectors, b_vectors, my_row, my_col, stage, tile_k: cutlass.Constexpr):
+    """acc += this step's A x B from shared-memory buffer `stage`: per k, 2 + 2 ld.shared.v4
+    (the thread's 8 rows of A and 8 columns of B) and 64 fmas."""
+    for kk in cutlass.range_constexpr(tile_k):
+        a_values = [
+            a_vectors[None, my_row + PLAIN_THREADS_PER_ROW * i, kk, stage].load()
+            for i in range(PLAIN_SUBTILES)
+        ]
+        b_values = [
+            b_vectors[None, my_col + PLAIN_THREADS_PER_ROW * j, kk, stage].load()
+            for j in range(PLAIN_SUBTILES)
+        ]
+        for i in cutlass.range_constexpr(PLAIN_SUBTILES):
+            for r in cutlass.range_constexpr(PLAIN_VECTOR):
+                for j in cutlass.range_constexpr(PLAIN_SUBTILES):
+                    for c in cutlass.range_constexpr(PLAIN_VECTOR):
+                        row, col = PLAIN_VECTOR * i + r, PLAIN_VECTOR * j + c
+                        # one fma.rn.f32: the product is not rounded on its own
+                        acc[row, col] = acc[row, col] + a_values[i][r] * b_values[j][c]
+
+
+def staging_plan(thread, tile_k, vector_loads):
+    """Which elements of a k step thread `thread` loads, as Python lists (q = the thread's
+    load number): for A, (row in the tile, first k) and for B, (first column, k) of each
+    load, plus `width` (elements a load). Consecutive threads take consecutive k of A (a warp:
+    4 rows x 8 k, or 16 rows x 2 vectors of 4 k: whole 32-byte sectors of a row-major A and
+    32 different banks for the transposing stores) and consecutive columns of B (a warp: one
+    k, 32 columns or 32 vectors of 4). Only the thread-independent parts differ between loads,
+    so load q sits a fixed (row, k) distance from load 0: `deltas` turns that into an offset."""
+    width = PLAIN_LOAD_VECTOR if vector_loads else 1
+    loads = PLAIN_TILE * tile_k // (PLAIN_THREADS * width)
+    a_places, b_places = [], []
+    for q in range(loads):
+        v = thread + PLAIN_THREADS * q
+        if vector_loads:  # 2 vectors (8 k) of a row per pair of threads
+            a_places.append(
+                ((v // 2) % PLAIN_TILE, width * (v % 2) + 2 * width * (v // (2 * PLAIN_TILE)))
+            )
+        else:  # 8 k of a row per 8 threads
+            group = PLAIN_A_K_GROUP
+            a_places.append(
+                ((v // group) % PLAIN_TILE, v % group + group * (v // (group * PLAIN_TILE)))
+            )
+        b_places.append((width * (v % (PLAIN_TILE // width)), v // (PLAIN_TILE // width)))
+    return a_places, b_places, width
 
 
 @cute.kernel
@@ -244,13 +361,17 @@ def plain_kernel(
     beta: cutlass.Float32,
     read_ab: cutlass.Constexpr[bool],
     read_c: cutlass.Constexpr[bool],
+    config: cutlass.Constexpr,
 ):
+    tile_k = config.tile_k
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
     # blockIdx is a 32-bit register: widen it before the tile's first row and column are formed.
     tile_m, tile_n = tile_of_block(cutlass.Int64(block), m, n, PLAIN_TILE, PLAIN_TILE)
     first_row, first_col = tile_m * PLAIN_TILE, tile_n * PLAIN_TILE
-    # The thread's sub-tiles start at row 4 my_row (+ 64 i) and column 4 my_col (+ 64 j).
+    # The thread's sub-tiles start at row 4 my_row (+ 64 i) and column 4 my_col (+ 64 j): a
+    # warp is two rows of 16 threads, so at each k it reads 2 vectors of A (broadcast) and 16
+    # adjacent vectors of B.
     my_row, my_col = thread // PLAIN_THREADS_PER_ROW, thread % PLAIN_THREADS_PER_ROW
     acc = cute.make_rmem_tensor(
         (PLAIN_PER_THREAD, PLAIN_PER_THREAD), cutlass.Float32
@@ -262,79 +383,68 @@ def plain_kernel(
         a_tiles = smem.allocate_tensor(
             cutlass.Float32,
             cute.make_layout(
-                (PLAIN_TILE, PLAIN_TILE_K, PLAIN_STAGES),
-                stride=(1, PLAIN_A_ROW_WORDS, PLAIN_A_ROW_WORDS * PLAIN_TILE_K),
+                (PLAIN_TILE, tile_k, PLAIN_STAGES),
+                stride=(1, PLAIN_A_ROW_WORDS, PLAIN_A_ROW_WORDS * tile_k),
             ),
             byte_alignment=16,
         )
         b_tiles = smem.allocate_tensor(
             cutlass.Float32,
             cute.make_layout(
-                (PLAIN_TILE, PLAIN_TILE_K, PLAIN_STAGES),
-                stride=(1, PLAIN_TILE, PLAIN_TILE * PLAIN_TILE_K),
+                (PLAIN_TILE, tile_k, PLAIN_STAGES), stride=(1, PLAIN_TILE, PLAIN_TILE * tile_k)
             ),
             byte_alignment=16,
         )
         # The same buffers cut into 4-word vectors: (word, vector, k, stage).
         a_vectors = cute.flat_divide(a_tiles, (PLAIN_VECTOR,))
         b_vectors = cute.flat_divide(b_tiles, (PLAIN_VECTOR,))
-        # Thread t stages the elements e = t + PLAIN_THREADS q of each k step: A's at row
-        # e div TILE_K, k e mod TILE_K and B's at k e div TILE_N, column e mod TILE_N, so that
-        # consecutive threads read consecutive k of A and consecutive columns of B. Addresses:
-        # `a_offset` is the offset of the thread's first A element, moved one k step at a time
-        # (a 64-bit add: the compiler would otherwise redo two 64-bit multiplies per element),
-        # and element q sits q strides of rows of A (k of B) further.
-        elements = [thread + PLAIN_THREADS * q for q in range(PLAIN_LOADS_PER_THREAD)]
-        a_rows = [first_row + e // PLAIN_TILE_K for e in elements]
-        a_ks = [e % PLAIN_TILE_K for e in elements]
-        b_ks = [e // PLAIN_TILE for e in elements]
-        b_cols = [first_col + e % PLAIN_TILE for e in elements]
-        a_rows_inside = [row < m for row in a_rows]
-        b_cols_inside = [col < n for col in b_cols]
-        a_offset = cute.crd2idx((a_rows[0], a_ks[0]), A.layout)
-        b_offset = cute.crd2idx((b_ks[0], b_cols[0]), B.layout)
-        # Element q is q PLAIN_THREADS / TILE_K rows of A (q PLAIN_THREADS / TILE_N k of B)
-        # after element 0: PLAIN_THREADS is a multiple of both.
-        a_q_stride = cute.crd2idx((PLAIN_THREADS // PLAIN_TILE_K, 0), A.layout)
-        b_q_stride = cute.crd2idx((PLAIN_THREADS // PLAIN_TILE, 0), B.layout)
-        a_k_step = cute.crd2idx((0, PLAIN_TILE_K), A.layout)
-        b_k_step = cute.crd2idx((PLAIN_TILE_K, 0), B.layout)
-        a_next = cute.make_rmem_tensor((PLAIN_LOADS_PER_THREAD,), cutlass.Float32)
-        b_next = cute.make_rmem_tensor((PLAIN_LOADS_PER_THREAD,), cutlass.Float32)
+        a_places, b_places, width = staging_plan(thread, tile_k, config.vector_loads)
+        # Addresses: `a_offset` is the offset of the thread's first A element, moved one k step
+        # at a time (a 64-bit add: the compiler would otherwise redo two 64-bit multiplies per
+        # element), and load q sits a fixed distance (deltas[q]) further.
+        a_offset = cute.crd2idx((first_row + a_places[0][0], a_places[0][1]), A.layout)
+        b_offset = cute.crd2idx((b_places[0][1], first_col + b_places[0][0]), B.layout)
+        a_deltas = [
+            cute.crd2idx((row - a_places[0][0], k0 - a_places[0][1]), A.layout)
+            for row, k0 in a_places
+        ]
+        b_deltas = [
+            cute.crd2idx((kk - b_places[0][1], col - b_places[0][0]), B.layout)
+            for col, kk in b_places
+        ]
+        a_inside = [first_row + row < m for row, _ in a_places]
+        b_inside = [first_col + col < n for col, _ in b_places]
+        a_ks = [k0 for _, k0 in a_places]
+        b_ks = [kk for _, kk in b_places]
+        a_k_step = cute.crd2idx((0, tile_k), A.layout)
+        b_k_step = cute.crd2idx((tile_k, 0), B.layout)
+        a_next = cute.make_rmem_tensor((width, len(a_places)), cutlass.Float32)
+        b_next = cute.make_rmem_tensor((width, len(b_places)), cutlass.Float32)
 
-        k_left = k  # k values from the step's first on
-        load_k_step(A, a_next, a_offset, a_q_stride, a_rows_inside, a_ks, k_left)
-        load_k_step(B, b_next, b_offset, b_q_stride, b_cols_inside, b_ks, k_left)
-        store_k_step(a_tiles, b_tiles, a_next, b_next, 0, thread)
+        k_left = k  # k values from the first k of the step being loaded on
+        load_k_step(A, a_next, a_offset, a_deltas, a_inside, a_ks, k_left, width)
+        load_k_step(B, b_next, b_offset, b_deltas, b_inside, b_ks, k_left, width)
+        store_k_step(a_tiles, b_tiles, a_next, b_next, a_places, b_places, 0)
+        # The loads run two steps ahead: step 1 is in flight while step 0 is multiplied.
+        a_offset, b_offset, k_left = a_offset + a_k_step, b_offset + b_k_step, k_left - tile_k
+        load_k_step(A, a_next, a_offset, a_deltas, a_inside, a_ks, k_left, width)
+        load_k_step(B, b_next, b_offset, b_deltas, b_inside, b_ks, k_left, width)
         cute.arch.sync_threads()
-        k_steps = (k + PLAIN_TILE_K - 1) // PLAIN_TILE_K
+        k_steps = (k + tile_k - 1) // tile_k
         for step in cutlass.range(k_steps, unroll=1):
             stage = step % PLAIN_STAGES
-            # Issue the next step's loads now; they land while the fmas below run. Past the
-            # last step every load is predicated off (0.0 into a buffer nobody reads).
-            a_offset = a_offset + a_k_step
-            b_offset = b_offset + b_k_step
-            k_left = k_left - PLAIN_TILE_K
-            load_k_step(A, a_next, a_offset, a_q_stride, a_rows_inside, a_ks, k_left)
-            load_k_step(B, b_next, b_offset, b_q_stride, b_cols_inside, b_ks, k_left)
-            for kk in cutlass.range_constexpr(PLAIN_TILE_K):
-                a_values = [
-                    a_vectors[None, my_row + PLAIN_THREADS_PER_ROW * i, kk, stage].load()
-                    for i in range(PLAIN_SUBTILES)
-                ]
-                b_values = [
-                    b_vectors[None, my_col + PLAIN_THREADS_PER_ROW * j, kk, stage].load()
-                    for j in range(PLAIN_SUBTILES)
-                ]
-                for i in cutlass.range_constexpr(PLAIN_SUBTILES):
-                    for r in cutlass.range_constexpr(PLAIN_VECTOR):
-                        for j in cutlass.range_constexpr(PLAIN_SUBTILES):
-                            for c in cutlass.range_constexpr(PLAIN_VECTOR):
-                                row, col = PLAIN_VECTOR * i + r, PLAIN_VECTOR * j + c
-                                # one fma.rn.f32: the product is not rounded on its own
-                                acc[row, col] = acc[row, col] + a_values[i][r] * b_values[j][c]
-            # The other buffer was last read in the previous step, before the last barrier.
-            store_k_step(a_tiles, b_tiles, a_next, b_next, 1 - stage, thread)
+            # Step + 1's values, loaded a whole step ago, into the other buffer (last read in
+            # the previous step, before the last barrier). Stored here, at the top of the step,
+            # the loads had a whole step and a barrier to land; stored after the fmas, ptxas
+            # hoisted the stores and the barrier above most of them, so every step waited on
+            # loads issued ~200 instructions before (H200: 32.4 -> 39.6 TFLOP/s with k = 16).
+            store_k_step(a_tiles, b_tiles, a_next, b_next, a_places, b_places, 1 - stage)
+            # Issue the next loads now; they land while the fmas below run. Past the last
+            # step every load is predicated off (0.0 into a buffer nobody reads).
+            a_offset, b_offset, k_left = a_offset + a_k_step, b_offset + b_k_step, k_left - tile_k
+            load_k_step(A, a_next, a_offset, a_deltas, a_inside, a_ks, k_left, width)
+            load_k_step(B, b_next, b_offset, b_deltas, b_inside, b_ks, k_left, width)
+            multiply_k_step(acc, a_vectors, b_vectors, my_row, my_col, stage, tile_k)
             cute.arch.sync_threads()  # the next buffer is written before anyone reads it
     for i in cutlass.range_constexpr(PLAIN_SUBTILES):
         for r in cutlass.range_constexpr(PLAIN_VECTOR):
@@ -381,10 +491,15 @@ def hopper_kernel(
     stages: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
     c_pairs: cutlass.Constexpr[bool],
+    cluster_m: cutlass.Constexpr[int],
 ):
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
     blocks, _, _ = cute.arch.grid_dim()
+    # A 1-D grid in clusters of cluster_m x 1 x 1: block b is block b mod cluster_m of cluster
+    # b div cluster_m (its %cluster_ctarank, which multicast masks and remote arrives name).
+    cluster, rank = block // cluster_m, block % cluster_m
+    clusters = blocks // cluster_m
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
     if warp == 0:
@@ -403,26 +518,38 @@ def hopper_kernel(
     )
     a_stage = cute.slice_(a_smem_layout, (None, None, 0))
     b_stage = cute.slice_(b_smem_layout, (None, None, 0))
+    # A stage is full when its A tile and its whole B tile have landed, whichever block of the
+    # cluster loaded each part of B.
     bytes_per_stage = cute.size_in_bytes(dtype, a_stage) + cute.size_in_bytes(dtype, b_stage)
-    # One producer thread arrives (with the byte count TMA must deliver) on "full"; lane 0 of
-    # each consumer warp arrives on "empty". create() initialises them and syncs the block.
+    # One producer thread arrives (with the byte count TMA must deliver) on "full". On "empty",
+    # lane j < cluster_m of each consumer warp arrives on the barrier of the cluster's block j
+    # (the pipeline finds these from the cluster's layout (v, m, n, l) = (1, cluster_m, 1, 1)):
+    # a block's TMA writes B into every block of the cluster, so it may refill a stage only
+    # when all their consumer warps are done with it. create() initialises the barriers and
+    # syncs the block, or the cluster, so that no arrive reaches a barrier before its init.
     mainloop = pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
+            pipeline.Agent.Thread, cluster_m * CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
         ),
         tx_count=bytes_per_stage,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
     )
     k_steps = cutlass.Int32((k + tile_k - 1) // tile_k)
-    # Persistent: block b computes tiles b, b + blocks, b + 2 blocks, ... of the grouped order.
-    # Producer and consumers walk the same tiles and the ring's state runs on across them, so
-    # TMA already loads the next tile while the consumers finish the last one. The tile index
-    # is 32-bit (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's
-    # dimensions are below 2**31 anyway).
-    tiles = cutlass.Int32(((m + TILE_M - 1) // TILE_M) * ((n + tile_n - 1) // tile_n))
+    # Persistent: cluster c computes cluster tiles c, c + clusters, c + 2 clusters, ... of the
+    # grouped order, each of its blocks one tile. Both blocks of a cluster walk the same cluster
+    # tiles, so their rings advance together (when m has an odd number of tile rows, one block
+    # of the last cluster row computes a tile past m: zeros in, nothing stored). Producer and
+    # consumers walk the same tiles and the ring's state runs on across them, so TMA already
+    # loads the next tile while the consumers finish the last one. The tile index is 32-bit
+    # (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's dimensions are
+    # below 2**31 anyway).
+    cluster_tile_m = cluster_m * TILE_M
+    cluster_tiles = cutlass.Int32(
+        ((m + cluster_tile_m - 1) // cluster_tile_m) * ((n + tile_n - 1) // tile_n)
+    )
 
     if warpgroup_index == 0:
         cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -435,13 +562,18 @@ def hopper_kernel(
                 tma_a, 0, cute.make_layout(1),
                 cute.group_modes(a_ring, 0, 2), cute.group_modes(a_tiles, 0, 2),
             )  # fmt: skip
+            # The cluster's blocks share each B tile: block `rank` loads slice `rank` of
+            # cluster_m and multicasts it to every block of the cluster (mask: all of them),
+            # into the same place of each one's ring. The mask is ignored by the plain TMA
+            # load of cluster_m = 1.
             b_smem_part, b_gmem_part = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1),
+                tma_b, rank, cute.make_layout(cluster_m),
                 cute.group_modes(b_ring, 0, 2), cute.group_modes(b_tiles, 0, 2),
             )  # fmt: skip
+            b_receivers = cutlass.Int16((1 << cluster_m) - 1)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for tile in cutlass.range(block, tiles, blocks, unroll=1):
-                tile_m, tile_n_index = tile_of_block(tile, m, n, TILE_M, tile_n)
+            for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
+                tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
                 for k_step in cutlass.range(k_steps, unroll=1):
                     mainloop.producer_acquire(state)  # the buffer is empty; expect its bytes
                     full = mainloop.producer_get_barrier(state)
@@ -452,10 +584,13 @@ def hopper_kernel(
                     cute.copy(
                         tma_b, b_gmem_part[(None, tile_n_index, k_step)],
                         b_smem_part[(None, state.index)], tma_bar_ptr=full,
+                        mcast_mask=b_receivers,
                     )  # fmt: skip
                     mainloop.producer_commit(state)
                     state.advance()
-            mainloop.producer_tail(state)  # exit only after the consumers freed every buffer
+            # Exit only after the consumers freed every buffer; with a cluster, this also
+            # waits for the partner's remote arrives, which must not reach an exited block.
+            mainloop.producer_tail(state)
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
         consumer_thread = thread - WARPGROUP_THREADS
@@ -476,8 +611,8 @@ def hopper_kernel(
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for tile in cutlass.range(block, tiles, blocks, unroll=1):
-            tile_m, tile_n_index = tile_of_block(tile, m, n, TILE_M, tile_n)
+        for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
+            tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
             acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
             consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
             read_state.advance()
@@ -531,13 +666,43 @@ def launch_plain(
     dtype: cutlass.Constexpr,
     read_ab: cutlass.Constexpr[bool],
     read_c: cutlass.Constexpr[bool],
+    config: cutlass.Constexpr,
 ):
-    A = strided_matrix(dtype, a_address, m, k, stride_am, stride_ak)
-    B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
+    if cutlass.const_expr(config.vector_loads):
+        A = row_major_in_vectors(dtype, a_address, m, k, stride_am)
+        B = row_major_in_vectors(dtype, b_address, k, n, stride_bk)
+    else:
+        A = strided_matrix(dtype, a_address, m, k, stride_am, stride_ak)
+        B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
     C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
-    plain_kernel(A, B, C, m, n, k, alpha, beta, read_ab, read_c).launch(
+    # Two blocks an SM also need their shared memory (2 x 33 KiB at tile_k = 16) carved out of
+    # the SM's 256 KiB of L1: said as a percentage, so the compiler need not ask the device.
+    carveout = {} if config.blocks_per_sm == 1 else {"preferred_smem_carveout": 50}
+    plain_kernel(A, B, C, m, n, k, alpha, beta, read_ab, read_c, config).launch(
         grid=[blocks, 1, 1], block=[PLAIN_THREADS, 1, 1], stream=stream,
-        min_blocks_per_mp=PLAIN_BLOCKS_PER_SM,
+        min_blocks_per_mp=config.blocks_per_sm, **carveout,
+    )  # fmt: skip
+
+
+def row_major_in_vectors(dtype, address, rows, cols, stride_rows):
+    """A row-major (rows, cols) matrix whose base and row stride are promised to be multiples
+    of PLAIN_LOAD_VECTOR elements: the stride 1 along a row is a compile-time constant, so
+    PLAIN_LOAD_VECTOR adjacent elements of a row are one aligned vector load."""
+    align = PLAIN_LOAD_VECTOR * dtype.width // 8
+    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+    stride = cute.assume(stride_rows, divby=PLAIN_LOAD_VECTOR)
+    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(stride, 1)))
+
+
+def vector_loads_ok(A, B):
+    """True when the plain kernel may load A and B PLAIN_LOAD_VECTOR elements at a time: both
+    row-major, bases and row strides multiples of the vector, and k and n too (a vector is
+    then wholly inside or wholly outside the matrix)."""
+    v = PLAIN_LOAD_VECTOR
+    return all(
+        t.stride(1) == 1 and t.stride(0) % v == 0 and t.shape[1] % v == 0
+        and t.data_ptr() % (v * t.element_size()) == 0
+        for t in (A, B)
     )  # fmt: skip
 
 
@@ -612,6 +777,7 @@ def launch_hopper(
     tile_n: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
     c_pairs: cutlass.Constexpr[bool],
+    cluster_m: cutlass.Constexpr[int],
 ):
     tile_k = TILE_K_BYTES * 8 // dtype.width
     stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
@@ -638,14 +804,19 @@ def launch_hopper(
     tma_a, A_tma = cpasync.make_tiled_tma_atom(
         load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
     )
+    # In a cluster, each block's TMA loads 1 / cluster_m of the B tile and multicasts it.
+    load_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_m > 1 else load
     tma_b, B_tma = cpasync.make_tiled_tma_atom(
-        load, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k)
+        load_b, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k), cluster_m
     )
     hopper_kernel(
         tma_a, A_tma, tma_b, B_tma, C, cutlass.Int64(m), cutlass.Int64(n), cutlass.Int64(k),
         alpha, beta, tiled_mma, a_smem_layout, b_smem_layout, dtype, tile_n, tile_k, stages, read_c,
-        c_pairs,
-    ).launch(grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream)  # fmt: skip
+        c_pairs, cluster_m,
+    ).launch(
+        grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
+        cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
+    )  # fmt: skip
 
 
 @functools.cache
@@ -690,50 +861,56 @@ def choose_kernel(A, B, allow_tf32):
     return ("hopper", a_k_major, b_k_major)
 
 
-def build_plain(dtype, read_ab, read_c, options=""):
+def build_plain(dtype, read_ab, read_c, config, options=""):
     """cute.compile the plain launcher. The arguments are placeholders: only their types matter."""
     return cute.compile(
         launch_plain, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], read_ab, read_c, options=options,
+        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], read_ab, read_c, config,
+        options=options,
     )  # fmt: skip
 
 
-def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, options=""):
+def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m, options=""):
     """cute.compile the Hopper launcher (placeholder arguments, as build_plain)."""
     return cute.compile(
         launch_hopper, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
         cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], a_k_major, b_k_major, tile_n,
-        read_c, c_pairs, options=options,
+        read_c, c_pairs, cluster_m, options=options,
     )  # fmt: skip
 
 
 @functools.cache
-def compile_plain(dtype, read_ab, read_c):
+def compile_plain(dtype, read_ab, read_c, config):
     """The plain kernel for torch `dtype`, built once (seconds) and cached; needs no GPU."""
-    return build_plain(dtype, read_ab, read_c)
+    return build_plain(dtype, read_ab, read_c, config)
 
 
 @functools.cache
-def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs):
-    """The Hopper kernel for `dtype`, operand majorness and epilogue, built once and cached."""
-    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs)
+def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m):
+    """The Hopper kernel for `dtype`, operand majorness, epilogue and cluster size, built once
+    and cached."""
+    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
 
 
 def ptx_of(
     kernel, dtype, a_k_major=True, b_k_major=True, tile_n=256, read_ab=True, read_c=True,
-    c_pairs=False,
+    c_pairs=False, cluster_m=2, config=PLAIN_SCALARS,
 ):  # fmt: skip
-    """The sm_90a PTX of the 'plain' or 'hopper' build: what the tests read to check for wgmma,
-    TMA and mbarriers in one and plain FMAs in the other."""
+    """The sm_90a PTX of the 'plain' (with PlainConfig `config`) or 'hopper' build: what the
+    tests read to check for wgmma, TMA and mbarriers in one and plain FMAs in the other."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         if kernel == "plain":
-            return build_plain(dtype, read_ab, read_c, options).__ptx__
-        return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, options).__ptx__
+            return build_plain(dtype, read_ab, read_c, config, options).__ptx__
+        return build_hopper(
+            dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m, options
+        ).__ptx__
 
 
-def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
-    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C."""
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. The Hopper
+    kernel runs in clusters of `cluster_m` blocks along m (1 or 2) that share each B tile; a C
+    of one tile row (m <= 128) takes clusters of 1, whose partner would only compute zeros."""
     check_operands(alpha, A, B, beta, C)
     if C.device.type != "cuda":
         raise ValueError(f"A, B and C are on {C.device}; the CuTe kernel needs CUDA tensors")
@@ -746,11 +923,16 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     if choice[0] == "hopper":
         _, a_k_major, b_k_major = choice
         tile_n = hopper_tile_n(m, n)
-        kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C))
-        # Persistent: one block per SM, fewer when C has fewer tiles.
-        blocks = min(ceil_div(m, TILE_M) * ceil_div(n, tile_n), sm_count(C.device))
+        cluster_m = cluster_m if m > TILE_M else 1
+        kernel = compile_hopper(
+            A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C), cluster_m
+        )
+        # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters.
+        cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
+        blocks = cluster_m * min(cluster_tiles, sm_count(C.device) // cluster_m)
     else:
-        kernel = compile_plain(A.dtype, read_ab, read_c)
+        config = PLAIN_VECTORS if read_ab and vector_loads_ok(A, B) else PLAIN_SCALARS
+        kernel = compile_plain(A.dtype, read_ab, read_c, config)
         blocks = ceil_div(m, PLAIN_TILE) * ceil_div(n, PLAIN_TILE)
     # Launch on torch's current stream of C's GPU: ordered with the caller's torch work,
     # capturable by a CUDA graph (call once before capturing: the first call loads the module).

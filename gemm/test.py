@@ -705,6 +705,32 @@ def test_cute_plain_ptx(dtype):
     assert "ld.global" not in cute_impl.ptx_of("plain", dtype, read_ab=False, read_c=False)
 
 
+@needs_cute
+def test_cute_plain_vector_build():
+    """Row-major A and B whose bases, row strides, k and n are multiples of 4 take the build
+    that loads 4 adjacent float32 as one ld.global.v4.b32; anything else the scalar build."""
+    vectors = cute_impl.ptx_of("plain", torch.float32, config=cute_impl.PLAIN_VECTORS)
+    scalars = cute_impl.ptx_of("plain", torch.float32, config=cute_impl.PLAIN_SCALARS)
+    assert "ld.global.v4.b32" in vectors and "ld.global.v4" not in scalars
+    ok = cute_impl.vector_loads_ok
+    A, B = torch.randn(6, 8), torch.randn(8, 12)
+    assert ok(A, B) and ok(A[:, :4], B[:4])
+    assert not ok(A[:, :7], B[:7])  # k = 7: a vector would straddle the edge
+    assert not ok(A, B[:, 1:])  # base not on a 4-element boundary, n = 11
+    assert not ok(A.T.contiguous().T, B)  # column-major A
+    assert not ok(torch.randn(6, 10)[:, :8], B)  # rows 10 elements apart
+
+
+@needs_cute
+def test_cute_hopper_cluster_ptx():
+    """Clusters of 2 blocks along m load B with a multicast TMA copy and release each stage on
+    the partner's "empty" barrier too; clusters of 1 do neither."""
+    pair = cute_impl.ptx_of("hopper", torch.bfloat16, cluster_m=2)
+    single = cute_impl.ptx_of("hopper", torch.bfloat16, cluster_m=1)
+    assert ".multicast::cluster" in pair and "mbarrier.arrive.shared::cluster" in pair
+    assert ".multicast::cluster" not in single
+
+
 def padded_matrix(rows, cols, dtype, transposed, device=DEVICE):
     """Random (rows, cols) values in a buffer whose leading dimension is rounded up to 16
     elements: 16-byte aligned rows (or, transposed, columns) for any rows and cols."""
@@ -797,6 +823,38 @@ def test_cute_hopper_epilogues_agree(dtype):
     for C in (C_even, C_odd):
         cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
     assert_same_bits(C_odd, C_even, "C with an odd row stride")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cute_hopper_clusters_agree(dtype):
+    """Clusters of 2 (B multicast to both blocks) and of 1 compute every tile alike: the same
+    bits, on a C of 3 tile rows (the second cluster's partner row lies past m) in several
+    tile columns."""
+    implementation("cute")  # skips without a GPU
+    m, n, k = 300, 1030, 200
+    A, B = padded_matrix(m, k, dtype, False), padded_matrix(k, n, dtype, False)
+    C_pair = padded_matrix(m, n, dtype, False)
+    C_single = C_pair.clone()
+    cute_impl.gemm(ALPHA, A, B, BETA, C_pair, cluster_m=2)
+    cute_impl.gemm(ALPHA, A, B, BETA, C_single, cluster_m=1)
+    assert_same_bits(C_pair, C_single, "clusters of 2 against clusters of 1")
+
+
+def test_cute_plain_builds_agree():
+    """The vector and the scalar builds of the plain kernel add the same products in the same
+    order: an A with rows 4 elements apart (vector loads) and a copy with rows 4 n + 1 apart
+    (scalar loads) give the same bits, on partial tiles in m, n and k."""
+    implementation("cute")  # skips without a GPU
+    m, n, k = 300, 260, 132
+    A = torch.randn(m, k, device=DEVICE)
+    B = torch.randn(k, n, device=DEVICE)
+    A_odd = torch.empty(m, k + 1, device=DEVICE)[:, :k].copy_(A)
+    assert cute_impl.vector_loads_ok(A, B) and not cute_impl.vector_loads_ok(A_odd, B)
+    C_vectors = torch.randn(m, n, device=DEVICE)
+    C_scalars = C_vectors.clone()
+    cute_impl.gemm(ALPHA, A, B, BETA, C_vectors)
+    cute_impl.gemm(ALPHA, A_odd, B, BETA, C_scalars)
+    assert_same_bits(C_vectors, C_scalars, "scalar loads against vector loads")
 
 
 @pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=str)
