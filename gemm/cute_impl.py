@@ -645,6 +645,21 @@ def strided_matrix(dtype, address, rows, cols, stride_rows, stride_cols):
     return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(stride_rows, stride_cols)))
 
 
+def aligned_matrix(dtype, address, rows, cols, stride_rows, stride_cols, contiguous_rows, vector):
+    """The (rows, cols) matrix whose contiguous dimension (the rows if contiguous_rows, else the
+    columns) gets the compile-time stride 1, and whose base and other stride are promised to be
+    multiples of `vector` elements (the caller checked): `vector` adjacent elements along the
+    contiguous dimension are then one aligned access, and TMA's 16-byte rules can be met."""
+    ptr = cute.make_ptr(
+        dtype, address, cute.AddressSpace.gmem, assumed_align=vector * dtype.width // 8
+    )
+    if cutlass.const_expr(contiguous_rows):
+        layout = cute.make_layout((rows, cols), stride=(1, cute.assume(stride_cols, divby=vector)))
+    else:
+        layout = cute.make_layout((rows, cols), stride=(cute.assume(stride_rows, divby=vector), 1))
+    return cute.make_tensor(ptr, layout)
+
+
 @cute.jit
 def launch_plain(
     a_address: cutlass.Int64,
@@ -669,8 +684,10 @@ def launch_plain(
     config: cutlass.Constexpr,
 ):
     if cutlass.const_expr(config.vector_loads):
-        A = row_major_in_vectors(dtype, a_address, m, k, stride_am)
-        B = row_major_in_vectors(dtype, b_address, k, n, stride_bk)
+        # Row-major, bases and row strides multiples of the vector (`vector_loads_ok`).
+        v = PLAIN_LOAD_VECTOR
+        A = aligned_matrix(dtype, a_address, m, k, stride_am, stride_ak, False, v)
+        B = aligned_matrix(dtype, b_address, k, n, stride_bk, stride_bn, False, v)
     else:
         A = strided_matrix(dtype, a_address, m, k, stride_am, stride_ak)
         B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
@@ -682,16 +699,6 @@ def launch_plain(
         grid=[blocks, 1, 1], block=[PLAIN_THREADS, 1, 1], stream=stream,
         min_blocks_per_mp=config.blocks_per_sm, **carveout,
     )  # fmt: skip
-
-
-def row_major_in_vectors(dtype, address, rows, cols, stride_rows):
-    """A row-major (rows, cols) matrix whose base and row stride are promised to be multiples
-    of PLAIN_LOAD_VECTOR elements: the stride 1 along a row is a compile-time constant, so
-    PLAIN_LOAD_VECTOR adjacent elements of a row are one aligned vector load."""
-    align = PLAIN_LOAD_VECTOR * dtype.width // 8
-    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-    stride = cute.assume(stride_rows, divby=PLAIN_LOAD_VECTOR)
-    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(stride, 1)))
 
 
 def vector_loads_ok(A, B):
@@ -741,18 +748,6 @@ def make_tiled_mma(dtype, a_major, b_major, tile_n):
     )  # fmt: skip
 
 
-def operand_layout(address, dtype, rows, cols, stride_rows, stride_cols, contiguous_rows):
-    """A TMA-ready (rows, cols) tensor: the contiguous dimension gets the compile-time stride
-    1 and the other a stride that is promised to be a multiple of 16 bytes."""
-    divby = TMA_ALIGN_BYTES * 8 // dtype.width
-    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=TMA_ALIGN_BYTES)
-    if cutlass.const_expr(contiguous_rows):
-        layout = cute.make_layout((rows, cols), stride=(1, cute.assume(stride_cols, divby=divby)))
-    else:
-        layout = cute.make_layout((rows, cols), stride=(cute.assume(stride_rows, divby=divby), 1))
-    return cute.make_tensor(ptr, layout)
-
-
 @cute.jit
 def launch_hopper(
     a_address: cutlass.Int64,
@@ -781,17 +776,15 @@ def launch_hopper(
 ):
     tile_k = TILE_K_BYTES * 8 // dtype.width
     stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
-    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1.
-    A = operand_layout(a_address, dtype, m, k, stride_am, stride_ak, not a_k_major)
-    B = operand_layout(b_address, dtype, n, k, stride_bn, stride_bk, not b_k_major)
+    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. TMA takes them
+    # with the base and the other stride on 16-byte boundaries (`tma_major`).
+    tma_vector = TMA_ALIGN_BYTES * 8 // dtype.width
+    A = aligned_matrix(dtype, a_address, m, k, stride_am, stride_ak, not a_k_major, tma_vector)
+    B = aligned_matrix(dtype, b_address, n, k, stride_bn, stride_bk, not b_k_major, tma_vector)
     if cutlass.const_expr(c_pairs):
-        # Row-major C whose rows start on a 2-element boundary: stride 1 along n is a
-        # compile-time constant, so a thread's pair of adjacent columns is one access.
-        c_ptr = cute.make_ptr(
-            dtype, c_address, cute.AddressSpace.gmem, assumed_align=2 * dtype.width // 8
-        )
-        c_layout = cute.make_layout((m, n), stride=(cute.assume(stride_cm, divby=2), 1))
-        C = cute.make_tensor(c_ptr, c_layout)
+        # Row-major C whose rows start on a 2-element boundary (`in_pairs`): a thread's pair of
+        # adjacent columns is one access.
+        C = aligned_matrix(dtype, c_address, m, n, stride_cm, stride_cn, False, 2)
     else:
         C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
     a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
