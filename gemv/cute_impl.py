@@ -18,25 +18,26 @@ How the rows are mapped onto the GPU
 A warp reads fast only when its 32 threads touch adjacent addresses, so the threads must be
 laid along A's contiguous dimension. That gives two kernels (README.md, "Two mappings"):
 
-`row_major_kernel`, rows contiguous. A block of 256 threads owns ROWS_PER_BLOCK = 2 rows; each
-  row belongs to THREADS_PER_ROW = 128 threads, four whole warps, which walk along it in tiles
-  of 128 * 16 = 2048 elements with the thread-value layout of dot/cute_impl.py: thread t owns
-  v adjacent elements (one 16-byte vector, v = 16 / element size) in each run of 128 v, 16
-  elements per tile, and keeps one float32 running sum per position (its 16 lanes). x is read
-  with the same layout, so lane k multiplies matching a_ij and x_j. At the end each row's sum
-  is put together level by level: the lanes in the thread (a pairwise tree, 4 levels), the 32
-  threads of each warp (shfl.sync.bfly, 5 levels), and the 4 warps of the row through shared
-  memory (one barrier, a pairwise tree of 2 levels).
-`column_major_kernel`, columns contiguous. A block owns 32 rows and walks the columns in tiles
-  of 128. Each thread holds one 16-byte vector of v rows (v = 4 float32 or 8 16-bit) in each
-  of c = 16 / v of the tile's columns, so d = 32 / v threads cover a column's 32 rows (8 for
-  float32: one 128-byte line; 4 for 16-bit data: half a line) and 256 / d across the columns
-  (32 or 64). The thread layout (d, 256 / d):(1, d) makes thread t the pair (t mod d, t div d),
-  taking columns t div d + (256 / d) q. A thread accumulates its v rows times c columns in 16
-  float32 lanes, one FMA per element: the sum over columns stays in its own registers, and no
-  shuffle is needed. At the end each thread adds its c column lanes per row (a pairwise tree),
-  the 256 / d column threads of a row meet in shared memory (one barrier), and one thread per
-  row adds their partial sums (a pairwise tree, 5 or 6 levels) and finishes the row.
+`row_major_kernel`, rows contiguous. A block of 256 threads owns ROWS_PER_BLOCK = 8 rows, one
+  warp each, and the warp walks along its row in tiles of 32 * 8 vectors: lane t owns v
+  adjacent elements (one 16-byte vector, v = 16 / element size) in each run of 32 v, so
+  register k of a tile holds element 32 v (k div v) + v t + (k mod v), eight vectors (128
+  bytes) all in flight together. x is read with the same layout, so register k of A and of x
+  pair up. Register k adds into lane k mod 16 (LANES_PER_THREAD float32 running sums): 2
+  float32 or 4 16-bit products per lane and tile, in the order of k. At the end the row's sum
+  is put together level by level: the 16 lanes in the thread (a pairwise tree, 4 levels), then
+  the warp's 32 lanes (shfl.sync.bfly, 5 levels). No shared memory, no barrier.
+`column_major_kernel`, columns contiguous. A block owns one 128-byte line of each column: 8
+  threads down it, each one 16-byte vector of v rows (32 float32 or 64 16-bit rows), and 32
+  threads across the columns. The thread layout (8, 32):(1, 8) makes thread t the pair
+  (t mod 8, t div 8), taking columns t div 8 + 32 q of each tile, q < c, with c = 4 for
+  float32 and 8 for 16-bit data (64 or 128 bytes in flight a thread; tiles of 128 and 256
+  columns). Register k holds row k mod v and column slot k div v and adds into lane k mod 16,
+  so the lanes hold each of the v rows in 16 / v column slots (4 for float32, 2 for 16-bit,
+  where each lane takes 4 columns a tile). The sum over columns stays in the thread's own
+  registers, with no shuffle. At the end each thread adds its column slots per row (a
+  pairwise tree), the 32 column threads of a row meet in shared memory (one barrier), and one
+  thread per row adds their partial sums (a pairwise tree, 5 levels) and finishes the row.
 
 Common to both:
 * Full tiles of a vector build (A's contiguous dimension has stride 1 and 16-byte aligned
@@ -68,24 +69,26 @@ WARP_SIZE = 32
 WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
 # The widest load a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Float32 running sums per thread, as in dot/cute_impl.py (measured there at full speed): the
-# elements of A one thread loads per tile, four 16-byte vectors of float32 or two of 16-bit
-# data, all in flight together. The vector builds use 52 to 88 registers per thread
-# (ptxas -v on the sm_90a PTX): two or three blocks of 256 threads per SM.
-# 32 lanes for 16-bit data (64 bytes a thread, as float32) measured slower on the H200 at
-# 16384 x 16384 bfloat16: row-major 80% of the copy bandwidth against 92%, column-major 86%
-# against 90%.
+# Float32 running sums per thread, as in dot/cute_impl.py. A thread loads more elements of A per
+# tile than it has lanes (below); register k adds into lane k mod 16.
 LANES_PER_THREAD = 16
-# Row-major: four warps per row, so m = 16384 makes 8192 blocks and each thread of a 16384-long
-# float32 row adds 8 tiles in series rather than 32.
-WARPS_PER_ROW = 4
-THREADS_PER_ROW = WARPS_PER_ROW * WARP_SIZE
-ROWS_PER_BLOCK = WARPS_PER_BLOCK // WARPS_PER_ROW
-# Column-major: a block owns 32 rows in every dtype, so m = 16384 makes 512 blocks for the 132
-# SMs. 32 float32 rows are 8 threads of 16 bytes, one 128-byte cache line of each column; 32
-# 16-bit rows are 4 threads, half a line. Whole lines of 16-bit data (64 rows) would leave only
-# 256 blocks: the H200 ran that at 71% of the copy bandwidth, float32's 512 blocks at 98%.
-COLUMN_BLOCK_ROWS = 32
+# Row-major: one warp per row, so a block owns 8 rows and the row's sum needs no shared memory.
+# Each thread loads eight 16-byte vectors per tile (128 bytes in flight, 1024 float32 or 2048
+# 16-bit elements a warp): on the H200 at 16384 x 16384 that ran float32 at 103% of the copy
+# bandwidth and bfloat16 at 94%, against 96% and 92% for the former 2 rows of 4 warps each
+# loading two to four vectors.
+ROW_VECTORS_PER_THREAD = 8
+ROWS_PER_BLOCK = WARPS_PER_BLOCK
+# Column-major: a block owns one 128-byte line of each column, 8 threads of 16 bytes down it
+# (32 float32 rows, 64 16-bit rows), and 32 threads across the columns. The bytes in flight
+# decide the speed: at 16384 x 16384 bfloat16 a thread loading one vector from each of 8
+# columns (128 bytes, 122 registers, two blocks of the 256 an SM) ran at 94-96% of the copy
+# bandwidth, 4 columns (64 bytes) at 89%, and the former half-line blocks of 32 rows at 86-89%.
+# float32 stays at 4 columns (64 bytes): 8 would take 152 registers, one block an SM, and ran
+# at 90% against 97%.
+THREADS_DOWN_A_COLUMN = 8
+THREADS_ACROSS_COLUMNS = THREADS_PER_BLOCK // THREADS_DOWN_A_COLUMN
+COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}  # by element width in bits
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -94,12 +97,20 @@ TORCH_TO_CUTLASS = {
 }
 
 
-def column_threads(rows_per_thread):
-    """(threads down a column, threads across the columns) of the column-major thread layout
-    when each thread holds one vector of rows_per_thread rows: 8 x 32 for float32, 4 x 64 for
-    16-bit data."""
-    down = COLUMN_BLOCK_ROWS // rows_per_thread
-    return down, THREADS_PER_BLOCK // down
+def elems_per_vector(width):
+    """Elements of `width` bits in one 16-byte vector: 4 float32, 8 16-bit."""
+    return VECTOR_BYTES * 8 // width
+
+
+def row_tile(width):
+    """Elements of a row that its warp loads per tile: 1024 float32, 2048 16-bit."""
+    return WARP_SIZE * ROW_VECTORS_PER_THREAD * elems_per_vector(width)
+
+
+def column_tile(width):
+    """(rows, columns) of a column-major block's tile: 32 x 128 float32, 64 x 256 16-bit."""
+    rows = THREADS_DOWN_A_COLUMN * elems_per_vector(width)
+    return rows, THREADS_ACROSS_COLUMNS * COLUMN_VECTORS_PER_THREAD[width]
 
 
 def pairwise_sum(values):
@@ -124,9 +135,10 @@ def warp_sum(value):
 
 @cute.jit
 def add_products(a_copy, a_tile, x_copy, x_tile, lanes, in_bounds):
-    """lanes[k] += a_k * x_k over this thread's elements of one tile, widened to float32. The
-    two thread copies partition their tiles alike, so register k of A and of x are a_ij and x_j
-    of the same (i, j). in_bounds None: the whole tile is inside the matrix, no predicate."""
+    """lanes[k mod L] += a_k * x_k over this thread's elements of one tile, widened to float32,
+    in the order of k. The two thread copies partition their tiles alike, so register k of A and
+    of x are a_ij and x_j of the same (i, j). in_bounds None: the whole tile is inside the
+    matrix, no predicate."""
     a_mine = a_copy.partition_S(a_tile)
     x_mine = x_copy.partition_S(x_tile)
     a_registers = cute.make_rmem_tensor_like(a_mine)
@@ -138,8 +150,9 @@ def add_products(a_copy, a_tile, x_copy, x_tile, lanes, in_bounds):
     cute.copy(a_copy, a_mine, a_registers, pred=in_bounds)
     cute.copy(x_copy, x_mine, x_registers, pred=in_bounds)
     # Widening is exact, and the compiler fuses each multiply and add into one fma.rn.f32.
-    for k in cutlass.range_constexpr(cute.size(lanes)):
-        lanes[k] += a_registers[k].to(cutlass.Float32) * x_registers[k].to(cutlass.Float32)
+    for k in cutlass.range_constexpr(cute.size(a_registers)):
+        product = a_registers[k].to(cutlass.Float32) * x_registers[k].to(cutlass.Float32)
+        lanes[k % cute.size(lanes)] += product
 
 
 @cute.jit
@@ -180,47 +193,32 @@ def row_major_kernel(
 ):
     thread, _, _ = cute.arch.thread_idx()
     block_idx, _, _ = cute.arch.block_idx()
-    row_in_block, thread_in_row = thread // THREADS_PER_ROW, thread % THREADS_PER_ROW
+    warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
     # blockIdx is a 32-bit register: widen it before multiplying.
-    row = cutlass.Int64(block_idx) * ROWS_PER_BLOCK + row_in_block
+    row = cutlass.Int64(block_idx) * ROWS_PER_BLOCK + warp
     row_sum = cutlass.Float32(0.0)
     if cutlass.const_expr(read_a):
-        tile_elems = THREADS_PER_ROW * LANES_PER_THREAD
+        tile_elems = row_tile(A.element_type.width)
         lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
         lanes.fill(0.0)
-        if row < m:  # the same for the four warps of a row: no warp diverges
+        if row < m:  # the same for the whole warp: no warp diverges
             a_row = A[row, None]
-            thread_tile_copy = tile_copy.get_slice(thread_in_row)
+            lane_tile_copy = tile_copy.get_slice(lane)
             full_tiles = n // tile_elems
             for tile in cutlass.range(full_tiles):
                 a_tile = cute.local_tile(a_row, (tile_elems,), (tile,))
                 x_tile = cute.local_tile(x, (tile_elems,), (tile,))
-                add_products(thread_tile_copy, a_tile, thread_tile_copy, x_tile, lanes, None)
+                add_products(lane_tile_copy, a_tile, lane_tile_copy, x_tile, lanes, None)
             if full_tiles * tile_elems < n:  # the row's last, partial tile
-                thread_element_copy = element_copy.get_slice(thread_in_row)
+                lane_element_copy = element_copy.get_slice(lane)
                 coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (full_tiles,))
-                in_bounds = in_bounds_mask(thread_element_copy, coords, n)
+                in_bounds = in_bounds_mask(lane_element_copy, coords, n)
                 a_tile = cute.local_tile(a_row, (tile_elems,), (full_tiles,))
                 x_tile = cute.local_tile(x, (tile_elems,), (full_tiles,))
-                add_products(
-                    thread_element_copy, a_tile, thread_element_copy, x_tile, lanes, in_bounds
-                )
-        # Every thread takes part in the shuffles and the barrier, inside the matrix or not.
-        warp_total = warp_sum(pairwise_sum([lanes[k] for k in range(LANES_PER_THREAD)]))
-        warp_sums = cute.make_tensor(
-            cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK),
-            cute.make_layout(WARPS_PER_BLOCK),
-        )
-        # warp_idx() is a shfl.sync over all 32 lanes (it makes the index warp-uniform): read
-        # it where every lane is present. Inside the lane-0 branch below that shuffle waits for
-        # 31 lanes that never come, and the kernel hangs (it did, on the H200).
-        warp = cute.arch.warp_idx()
-        if cute.arch.lane_idx() == 0:
-            warp_sums[warp] = warp_total
-        cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
-        first_warp = row_in_block * WARPS_PER_ROW
-        row_sum = pairwise_sum([warp_sums[first_warp + w] for w in range(WARPS_PER_ROW)])
-    if thread_in_row == 0 and row < m:
+                add_products(lane_element_copy, a_tile, lane_element_copy, x_tile, lanes, in_bounds)
+        # Every lane takes part in the shuffles, inside the matrix or not.
+        row_sum = warp_sum(pairwise_sum([lanes[k] for k in range(LANES_PER_THREAD)]))
+    if lane == 0 and row < m:
         finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
 
 
@@ -235,17 +233,14 @@ def column_major_kernel(
     beta: cutlass.Float32,
     tile_copy: cute.TiledCopy,
     element_copy: cute.TiledCopy,
-    rows_per_thread: cutlass.Constexpr[int],
     read_a: cutlass.Constexpr[bool],
     read_y: cutlass.Constexpr[bool],
 ):
     thread, _, _ = cute.arch.thread_idx()
     block_idx, _, _ = cute.arch.block_idx()
     block = cutlass.Int64(block_idx)  # 32-bit register, widened before multiplying
-    block_rows = COLUMN_BLOCK_ROWS
-    threads_down, threads_across = column_threads(rows_per_thread)
-    columns_per_thread = LANES_PER_THREAD // rows_per_thread
-    tile_columns = threads_across * columns_per_thread
+    v = elems_per_vector(A.element_type.width)
+    block_rows, tile_columns = column_tile(A.element_type.width)
     row_sum = cutlass.Float32(0.0)
     if cutlass.const_expr(read_a):
         tile = (block_rows, tile_columns)
@@ -276,18 +271,20 @@ def column_major_kernel(
                 thread_element_copy, cute.local_tile(A, tile, (block, t)),
                 thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), lanes, in_bounds,
             )  # fmt: skip
-        # Register k holds row k mod v of the thread's vector and its column k div v.
+        # Register k holds row k mod v of the thread's vector and its column k div v, and adds
+        # into lane k mod 16: the lanes hold each of the v rows in 16 / v column slots.
         partials = cute.make_tensor(
-            cute.arch.alloc_smem(cutlass.Float32, block_rows * threads_across),
-            cute.make_layout((block_rows, threads_across), stride=(1, block_rows)),
+            cute.arch.alloc_smem(cutlass.Float32, block_rows * THREADS_ACROSS_COLUMNS),
+            cute.make_layout((block_rows, THREADS_ACROSS_COLUMNS), stride=(1, block_rows)),
         )
-        row_thread, column_thread = thread % threads_down, thread // threads_down
-        for r in cutlass.range_constexpr(rows_per_thread):
-            own_columns = [lanes[r + rows_per_thread * c] for c in range(columns_per_thread)]
-            partials[row_thread * rows_per_thread + r, column_thread] = pairwise_sum(own_columns)
+        row_thread = thread % THREADS_DOWN_A_COLUMN
+        column_thread = thread // THREADS_DOWN_A_COLUMN
+        for r in cutlass.range_constexpr(v):
+            slots = [lanes[r + v * c] for c in range(LANES_PER_THREAD // v)]
+            partials[row_thread * v + r, column_thread] = pairwise_sum(slots)
         cute.arch.sync_threads()  # all partial sums of every row are in shared memory
         if thread < block_rows:
-            row_sum = pairwise_sum([partials[thread, c] for c in range(threads_across)])
+            row_sum = pairwise_sum([partials[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
     row = block * block_rows + thread
     if thread < block_rows and row < m:
         finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
@@ -297,18 +294,18 @@ def tiled_copies(dtype, layout, vector_elems):
     """(tile_copy, element_copy) of the 'row' or 'col' kernel, built while a launcher is traced:
     one thread-value layout and two access widths, vector_elems elements (a 16-byte vector, or
     1 in the any-stride build) and one element (the predicated copies of partial tiles)."""
-    elems_per_vector = VECTOR_BYTES * 8 // dtype.width
+    v = elems_per_vector(dtype.width)
     if layout == "row":
-        # Thread t of a row's 128 owns v adjacent elements in each run of 128 v.
-        thread_layout = cute.make_layout(THREADS_PER_ROW)
-        value_layout = cute.make_layout(elems_per_vector)
+        # Lane t of a row's warp owns v adjacent elements in each run of 32 v.
+        thread_layout = cute.make_layout(WARP_SIZE)
+        value_layout = cute.make_layout(v)
     else:
-        # (d, c):(1, d), (8, 32) for float32 and (4, 64) for 16-bit data: thread t is (t mod d)
-        # down the rows and (t div d) across the columns, and holds one vector of v rows of
-        # each of its columns.
-        down, across = column_threads(elems_per_vector)
-        thread_layout = cute.make_layout((down, across), stride=(1, down))
-        value_layout = cute.make_layout((elems_per_vector, 1))
+        # (8, 32):(1, 8): thread t is (t mod 8) down the rows and (t div 8) across the columns,
+        # and holds one vector of v rows of each of its columns.
+        thread_layout = cute.make_layout(
+            (THREADS_DOWN_A_COLUMN, THREADS_ACROSS_COLUMNS), stride=(1, THREADS_DOWN_A_COLUMN)
+        )
+        value_layout = cute.make_layout((v, 1))
     copies = []
     for bits in (dtype.width * vector_elems, dtype.width):
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
@@ -364,12 +361,10 @@ def launch_gemv(
         # x as an (m, n) matrix whose every row is x: row stride 0.
         x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem)
         x_rows = cute.make_tensor(x_ptr, cute.make_layout((m, n), stride=(0, stride_x)))
-        rows_per_thread = VECTOR_BYTES * 8 // dtype.width
         kernel = column_major_kernel(
-            A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, rows_per_thread,
-            read_a, read_y,
-        )  # fmt: skip
-        rows_per_block = COLUMN_BLOCK_ROWS
+            A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
+        )
+        rows_per_block = column_tile(dtype.width)[0]
     kernel.launch(
         grid=[cute.ceil_div(m, rows_per_block), 1, 1],
         block=[THREADS_PER_BLOCK, 1, 1],
@@ -447,11 +442,9 @@ def record_coordinates(
     """Append to `found`, for each thread and for the tile copy then the element copy, the
     coordinates of its registers in one tile. Pure layout algebra, run while tracing."""
     tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
-    v = VECTOR_BYTES * 8 // dtype.width
-    if cutlass.const_expr(layout == "row"):
-        tile = THREADS_PER_ROW * LANES_PER_THREAD
-    else:
-        tile = (COLUMN_BLOCK_ROWS, column_threads(v)[1] * (LANES_PER_THREAD // v))
+    tile = (
+        row_tile(dtype.width) if cutlass.const_expr(layout == "row") else column_tile(dtype.width)
+    )
     identity = cute.make_identity_tensor(tile)
     for i in cutlass.range_constexpr(len(threads)):
         for thread_copy in (tile_copy, element_copy):

@@ -45,11 +45,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 LAYOUTS = ["row", "col"]
 # (m, n): 1x1, primes, 2**k +- 1, and the edges of the tiles: Triton's 16 x 256 (float32) and
-# 16 x 1024 (16-bit) row tiles and 32 x 128 column tiles; CuTe's blocks of 2 rows of
-# 2048-element tiles and its 32 x 128 column tiles.
+# 16 x 1024 (16-bit) row tiles, 32 x 128 column tiles and 64 x 64 / 64 x 128 TMA tiles; CuTe's
+# blocks of 8 rows with 1024 / 2048-element row tiles and its 32 x 128 / 64 x 256 column tiles.
+# Column-major A is the transpose of an (n, m) tensor, so m a multiple of 8 (16, 32, 64) takes
+# Triton's TMA kernel and the other m its pointer kernel.
 SHAPES = [
     (1, 1), (2, 3), (7, 1), (1, 31), (31, 127), (16, 256), (17, 257), (33, 129), (32, 256),
-    (65, 513), (127, 63), (3, 2047), (2, 2048), (63, 2049), (257, 17),
+    (65, 513), (127, 63), (3, 2047), (2, 2048), (63, 2049), (257, 17), (9, 1025), (64, 300),
 ]  # fmt: skip
 ALPHA, BETA = 0.3, -1.7  # the scalars of most tests: neither term dominates
 U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
@@ -126,39 +128,41 @@ def random_matrix(m, n, dtype, layout):
     return torch.randn(n, m, device=DEVICE).to(dtype).T
 
 
-def triton_roundings(n, dtype, layout):
-    """README.md's k for triton_impl: the most roundings on one term alpha a_ij x_j's way to y_i.
+def triton_roundings(A):
+    """README.md's k for triton_impl on A: the most roundings on one term alpha a_ij x_j's way
+    to y_i.
 
     One for the product of two float32 numbers (none for 16-bit data, whose products are exact
     in float32), one per further column step added into a lane, log2(BLOCK_N) levels of the
     tree over a row's lanes, and two for alpha * sum and the addition of beta * y_i. Read from
-    triton_impl at each call, so the bound follows the tile the kernel runs."""
-    _, block_n = triton_impl.tile_shape(layout, dtype)
-    product = 1 if dtype == torch.float32 else 0
+    triton_impl at each call, so the bound follows the tile of the kernel A takes."""
+    n = A.shape[1]
+    _, block_n = triton_impl.tile_shape(A)
+    product = 1 if A.dtype == torch.float32 else 0
     return product + (math.ceil(n / block_n) - 1) + int(math.log2(block_n)) + 2
 
 
-def cute_roundings(n, dtype, layout):
-    """README.md's k for cute_impl, counted on each kernel's own tree.
+def cute_roundings(A):
+    """README.md's k for cute_impl on A, counted on each kernel's own tree.
 
-    Row-major: the product, one per further tile of 128 * L elements (L lanes per thread), then
-    log2(L) levels in the thread, log2(32) shuffle levels and log2(WARPS_PER_ROW) across the
-    row's warps. Column-major: the product, one per further tile of w * c columns
-    (c = L / v columns per thread, v elements per 16-byte vector, w threads
-    across the columns), then log2(c) levels in the thread and log2(w) levels over the row's
-    partial sums. Both end with alpha * sum and the addition of beta * y_i."""
-    product = 1 if dtype == torch.float32 else 0
-    lanes = cute_impl.LANES_PER_THREAD
-    if layout == "row":
-        tile = cute_impl.THREADS_PER_ROW * lanes
-        tree = [lanes, cute_impl.WARP_SIZE, cute_impl.WARPS_PER_ROW]
+    A thread loads V vectors of v elements per tile and adds register k into lane k mod L
+    (L = 16 lanes), so each lane takes F = V v / L products a tile in series: one rounding each
+    but the first, F ceil(n / tile) - 1 in all, after the product's own. Row-major (V = 8,
+    tiles of 32 V v elements): then log2(L) levels in the thread and log2(32) shuffle levels.
+    Column-major (V columns of the thread, tiles of 32 V columns): then log2(L / v) column
+    slots in the thread and log2(32) levels over the row's partial sums. Both end with
+    alpha * sum and the addition of beta * y_i."""
+    n, width = A.shape[1], A.dtype.itemsize * 8
+    product = 1 if A.dtype == torch.float32 else 0
+    lanes, v = cute_impl.LANES_PER_THREAD, cute_impl.elems_per_vector(width)
+    if cute_impl.mapping(A) == "row":
+        vectors, tile = cute_impl.ROW_VECTORS_PER_THREAD, cute_impl.row_tile(width)
+        tree = [lanes, cute_impl.WARP_SIZE]
     else:
-        v = cute_impl.VECTOR_BYTES // dtype.itemsize
-        columns_per_thread = lanes // v
-        _, across = cute_impl.column_threads(v)
-        tile = across * columns_per_thread
-        tree = [columns_per_thread, across]
-    return product + (math.ceil(n / tile) - 1) + sum(int(math.log2(t)) for t in tree) + 2
+        vectors, tile = cute_impl.COLUMN_VECTORS_PER_THREAD[width], cute_impl.column_tile(width)[1]
+        tree = [lanes // v, cute_impl.THREADS_ACROSS_COLUMNS]
+    per_lane = vectors * v // lanes
+    return product + (per_lane * math.ceil(n / tile) - 1) + sum(int(math.log2(t)) for t in tree) + 2
 
 
 def abs_row_sums(A, x, rows=4096):
@@ -197,10 +201,8 @@ def error_bound(impl, alpha, A, x, beta, y, exact, exact_error=REFERENCE_ERROR):
         c_b = extra * (1 + gamma(n + 2, U32)) - 1
         e = e + TORCH_EXTRA_ROUNDINGS * e_s
     else:
-        module, roundings = (
-            (cute_impl, cute_roundings) if impl == "cute" else (triton_impl, triton_roundings)
-        )
-        c_a = gamma(roundings(n, dtype, module.mapping(A)), U32) if n > 0 else 0.0
+        roundings = cute_roundings if impl == "cute" else triton_roundings
+        c_a = gamma(roundings(A), U32) if n > 0 else 0.0
         c_b = gamma(2, U32)
     float32_error = c_a * alpha_part + c_b * beta_part + (1 + c_a) * abs(a32) * n * e
     bound = u_s * exact.abs() + (1 + u_s) * (float32_error + 2 * (1 + U32) * e) + e_s
@@ -246,6 +248,8 @@ def guarded_matrix(m, n, dtype, view):
 
     row-sliced   A = buffer[2 : 2 + m, 3 : 3 + n], rows padded on both sides
     col-sliced   the transpose of such a slice: column-major with padded columns
+    col-padded   column-major with padded columns whose start and stride are multiples of 16
+                 bytes, as Triton's TMA kernel needs
     strided      A = buffer[1::2, ::3], no stride 1 at all"""
     if view == "row-sliced":
         buffer = torch.full((m + 4, n + 7), float("nan"), device=DEVICE, dtype=dtype)
@@ -253,6 +257,10 @@ def guarded_matrix(m, n, dtype, view):
     elif view == "col-sliced":
         buffer = torch.full((n + 4, m + 7), float("nan"), device=DEVICE, dtype=dtype)
         A = buffer[2 : 2 + n, 3 : 3 + m].T
+    elif view == "col-padded":
+        columns = -(-(m + 16) // 8) * 8  # 8 elements before A, 8 or more after, a multiple of 8
+        buffer = torch.full((n + 1, columns), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer[:n, 8 : 8 + m].T
     else:
         buffer = torch.full((2 * m + 1, 3 * n), float("nan"), device=DEVICE, dtype=dtype)
         A = buffer[1::2, ::3]
@@ -265,8 +273,11 @@ def guarded_matrix(m, n, dtype, view):
 @pytest.mark.parametrize("shape", [(37, 300), (130, 70)], ids=str)
 @pytest.mark.parametrize(
     "view, step_x, step_y",
-    [("row-sliced", 3, 2), ("col-sliced", 0, 1), ("strided", 1, 3), ("col-sliced", 2, 5)],
-)
+    [
+        ("row-sliced", 3, 2), ("col-sliced", 0, 1), ("strided", 1, 3), ("col-sliced", 2, 5),
+        ("col-padded", 1, 2), ("col-padded", 0, 1),
+    ],
+)  # fmt: skip
 def test_views_inside_guard(impl, dtype, shape, view, step_x, step_y):
     """Sliced and strided A, strided and stride-0 x, and a strided y, each a view into NaN: a
     read outside A or x makes y NaN, every element of y must be written (its old value is far
@@ -282,6 +293,16 @@ def test_views_inside_guard(impl, dtype, shape, view, step_x, step_y):
     assert y_buffer[untouched].isnan().all(), "an element outside y was written"
     assert_same_bits(A.reshape(-1), A_before.reshape(-1), "A after the call")
     assert_same_bits(x, x_before, "x after the call")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_both_triton_column_kernels_are_tested(dtype):
+    """The column-major cases above reach both of Triton's column-major kernels: the TMA one
+    (16-byte aligned start and column stride) and the pointer one (anything else)."""
+    assert triton_impl.tma_reads(guarded_matrix(37, 300, dtype, "col-padded"))
+    assert not triton_impl.tma_reads(guarded_matrix(37, 300, dtype, "col-sliced"))
+    taken = {triton_impl.tma_reads(random_matrix(m, n, dtype, "col")) for m, n in SHAPES}
+    assert taken == {True, False}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -489,32 +510,41 @@ def test_negative_controls(layout):
     assert_within_bound(rounded_alpha.to(dtype), exact, torch_bound, "torch")
 
 
+def h200_sized(dtype, layout, size=16384):
+    """A size x size matrix of the benchmark's largest square on the meta device: its shape,
+    strides and (zero, so aligned) address, without the memory."""
+    A = torch.empty(size, size, dtype=dtype, device="meta")
+    return A if layout == "row" else A.T
+
+
 def test_roundings_at_h200_sizes():
     """At m = n = 16384 (the benchmark's largest square) every kernel's k stays in the tens or
     low hundreds, against the serial bound's n + 2 for torch."""
-    n = 16384
-    assert triton_roundings(n, torch.float32, "row") == 1 + 63 + 8 + 2
-    assert triton_roundings(n, torch.bfloat16, "col") == 0 + 127 + 7 + 2
-    assert triton_roundings(n, torch.bfloat16, "row") == 0 + 15 + 10 + 2
+    assert triton_roundings(h200_sized(torch.float32, "row")) == 1 + 63 + 8 + 2
+    assert triton_roundings(h200_sized(torch.bfloat16, "row")) == 0 + 15 + 10 + 2
+    assert triton_roundings(h200_sized(torch.float32, "col")) == 1 + 255 + 6 + 2  # TMA tiles
+    assert triton_roundings(h200_sized(torch.bfloat16, "col")) == 0 + 127 + 7 + 2
     if cute_impl is not None:
-        assert cute_roundings(n, torch.float32, "row") == 1 + 7 + 4 + 5 + 2 + 2
-        assert cute_roundings(n, torch.bfloat16, "col") == 0 + 127 + 1 + 6 + 2
+        assert cute_roundings(h200_sized(torch.float32, "row")) == 1 + 31 + 4 + 5 + 2
+        assert cute_roundings(h200_sized(torch.bfloat16, "col")) == 0 + 255 + 1 + 5 + 2
     for dtype in (torch.float32, torch.bfloat16):
         for layout in LAYOUTS:
-            assert gamma(triton_roundings(n, dtype, layout), U32) < 1e-5
+            assert triton_roundings(h200_sized(dtype, layout)) < 300
+            if cute_impl is not None:
+                assert cute_roundings(h200_sized(dtype, layout)) < 300
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_grids_fill_the_h200(dtype):
-    """At m = 16384 each mapping starts at least 512 programs or blocks, about four per SM of the
-    H200's 132: with 256 (16-bit column tiles of 64 rows) the H200 ran column-major bfloat16
-    at 47% (Triton) and 71% (CuTe) of the copy bandwidth."""
-    m = 16384
+def test_grids_at_h200_sizes(dtype):
+    """At m = 16384 every kernel starts at least 256 programs or blocks, two for each of the
+    H200's 132 SMs but 8, as many as the largest (122 registers a thread) fit at once: the
+    whole grid runs in one wave, and no SM idles."""
+    m, width = 16384, dtype.itemsize * 8
     for layout in LAYOUTS:
-        assert m // triton_impl.tile_shape(layout, dtype)[0] >= 512
+        assert m // triton_impl.tile_shape(h200_sized(dtype, layout))[0] >= 256
     if cute_impl is not None:
-        assert m // cute_impl.ROWS_PER_BLOCK >= 512
-        assert m // cute_impl.COLUMN_BLOCK_ROWS >= 512
+        assert m // cute_impl.ROWS_PER_BLOCK >= 256
+        assert m // cute_impl.column_tile(width)[0] >= 256
 
 
 # Compiles triton_impl's kernel for sm_90 without a GPU and prints, per dtype and layout, how
@@ -530,7 +560,7 @@ from triton.compiler import ASTSource
 import triton_impl
 
 def vector_loads(dtype, layout, a_contiguous):
-    block_m, block_n = triton_impl.tile_shape(layout, dtype)
+    block_m, block_n = triton_impl.TILES[layout, dtype.itemsize][:2]
     constexprs = {"READ_A": True, "READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
                   "LOG2_BLOCK_N": block_n.bit_length() - 1, "stride_x": 1, "stride_y": 1}
     if a_contiguous:
@@ -552,15 +582,34 @@ def vector_loads(dtype, layout, a_contiguous):
     compiled = triton.compile(source, target=target, options=options)
     return compiled.asm["ptx"].count("ld.global.v4")
 
-print(json.dumps({f"{dtype} {layout}": [vector_loads(getattr(torch, dtype), layout, contiguous)
-                                        for contiguous in (True, False)]
-                  for dtype in ("float32", "bfloat16") for layout in ("row", "col")}))
+def tma_pipeline(dtype):
+    block_m, block_n, warps, stages = triton_impl.TMA_TILES[dtype.itemsize]
+    constexprs = {"READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "LOG2_BLOCK_N": block_n.bit_length() - 1, "NUM_STAGES": stages,
+                  "stride_x": 1, "stride_y": 1}
+    element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    kinds = {"a_tiles": f"tensordesc<{element}[{block_n}, {block_m}]>", "x_ptr": "*" + element,
+             "y_ptr": "*" + element, "alpha": "fp32", "beta": "fp32"}
+    names = triton_impl.gemv_tma_kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in names}
+    source = ASTSource(triton_impl.gemv_tma_kernel, signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+    return [compiled.asm["ptx"].count("cp.async.bulk.tensor"), compiled.metadata.shared]
+
+loads = {f"{dtype} {layout}": [vector_loads(getattr(torch, dtype), layout, contiguous)
+                               for contiguous in (True, False)]
+         for dtype in ("float32", "bfloat16") for layout in ("row", "col")}
+tma = {f"{dtype} tma": tma_pipeline(getattr(torch, dtype)) for dtype in ("float32", "bfloat16")}
+print(json.dumps(loads | tma))
 """
 
 
 @pytest.fixture(scope="module")
 def triton_loads():
-    """{'dtype layout': [128-bit loads for a contiguous A, for the control]}"""
+    """{'dtype layout': [128-bit loads for a contiguous A, for the control],
+    'dtype tma': [bulk tensor copies, shared memory bytes] of the TMA kernel}"""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run(
         [sys.executable, "-c", TRITON_PTX_SCRIPT],
@@ -581,17 +630,30 @@ def test_triton_ptx(triton_loads, layout, dtype):
     assert contiguous > control
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_tma_pipeline(triton_loads, dtype):
+    """The TMA kernel compiles for sm_90 to bulk tensor copies (cp.async.bulk.tensor) into a
+    ring of shared-memory buffers: enough for num_stages - 1 tiles in flight beside the one
+    being summed, so the loop really is pipelined (a plain range with the launch's num_stages
+    compiled to a single buffer)."""
+    copies, shared = triton_loads[f"{str(dtype)[6:]} tma"]
+    block_m, block_n, _, stages = triton_impl.TMA_TILES[dtype.itemsize]
+    assert copies >= 2
+    assert shared >= (stages - 1) * block_m * block_n * dtype.itemsize
+
+
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_ptx(layout, dtype):
     """The CuTe kernels build for sm_90a with 128-bit vector loads of A on the fast path (none
-    in the any-stride build), one barrier for the shared-memory step, and, row-major, the warp
-    shuffles README.md counts; the column-major sum needs none."""
+    in the any-stride build). Row-major, a warp's row sum ends in the warp shuffles README.md
+    counts, with no barrier; column-major, the rows' partial sums meet in shared memory behind
+    one barrier, with no shuffle."""
     vector, scalar = cute_impl.ptx_of(dtype, layout, True), cute_impl.ptx_of(dtype, layout, False)
     assert "ld.global.v4" in vector and "ld.global.v4" not in scalar
-    assert "bar.sync" in vector and "bar.sync" in scalar
     shuffles = layout == "row"
+    assert ("bar.sync" in vector) != shuffles and ("bar.sync" in scalar) != shuffles
     assert ("shfl.sync.bfly" in vector) == shuffles and ("shfl.sync.bfly" in scalar) == shuffles
 
 
@@ -610,20 +672,23 @@ def test_cute_thread_value_layouts(layout, dtype, contiguous):
     """The kernels' thread-value layouts, run on the host, put register k of thread t where
     README.md says, in the vector and the any-stride build alike and for the tile and the
     element copy alike (so x and A registers pair up, and the row sums are the rows'):
-    row-major, element 128 v (k div v) + v t + (k mod v) of the row's tile; column-major,
-    row (t mod d) v + (k mod v) and column (t div d) + (256 / d) (k div v) of the block's tile,
-    d = 32 / v threads down a column."""
+    row-major, lane t's register k is element 32 v (k div v) + v t + (k mod v) of the row's
+    tile, 8 vectors; column-major, thread t's register k is row (t mod 8) v + (k mod v) and
+    column (t div 8) + 32 (k div v) of the block's tile, 4 (float32) or 8 (16-bit) vectors."""
     v = cute_impl.VECTOR_BYTES // dtype.itemsize
-    down = 32 // v
-    threads = [0, 1, 7, 8, 9, 31, 32, 127] + ([] if layout == "row" else [128, 200, 255])
+    if layout == "row":
+        threads, vectors = [0, 1, 7, 8, 30, 31], cute_impl.ROW_VECTORS_PER_THREAD
+    else:
+        threads = [0, 1, 7, 8, 9, 31, 32, 127, 128, 200, 255]
+        vectors = cute_impl.COLUMN_VECTORS_PER_THREAD[dtype.itemsize * 8]
     found = cute_impl.register_coordinates(dtype, layout, contiguous, threads)
     for (t, _), coords in found.items():
-        assert len(coords) == cute_impl.LANES_PER_THREAD
+        assert len(coords) == vectors * v
         for k, coord in enumerate(coords):
             if layout == "row":
-                expected = cute_impl.THREADS_PER_ROW * v * (k // v) + v * t + k % v
+                expected = 32 * v * (k // v) + v * t + k % v
             else:
-                expected = ((t % down) * v + k % v, t // down + 256 // down * (k // v))
+                expected = ((t % 8) * v + k % v, t // 8 + 32 * (k // v))
             assert coord == expected, f"thread {t} register {k}: {coord}, not {expected}"
 
 
@@ -657,10 +722,11 @@ def test_stand_in_matches_reference(shape):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_more_than_2_to_31_elements(impl, layout):
-    """m = 2**16 + 1, n = 2**15 + 3 in bfloat16: 2.148e9 elements, so the last rows (row-major)
+    """m = 2**16 + 8, n = 2**15 + 3 in bfloat16: 2.148e9 elements, so the last rows (row-major)
     or columns (column-major) start past 2**31 and a 32-bit offset would wrap and read the
-    wrong ones. Checked against float64_gemv, with its own error in the bound."""
-    m, n, dtype = 2**16 + 1, 2**15 + 3, torch.bfloat16
+    wrong ones. Column-major, m is a multiple of 8, so Triton takes its TMA kernel and CuTe
+    its vector build. Checked against float64_gemv, with its own error in the bound."""
+    m, n, dtype = 2**16 + 8, 2**15 + 3, torch.bfloat16
     shape = (m, n) if layout == "row" else (n, m)
     A = torch.randn(shape, device=DEVICE, dtype=dtype)
     A = A if layout == "row" else A.T
