@@ -6,12 +6,16 @@ gemv reads A, x and y and writes y: (mn + n + 2m) elements of traffic, the minim
 can move (each block reads x again, but from L2). Square matrices from 1024 to 16384, each
 row-major and column-major (the transpose of a row-major (n, m) tensor), float32 and bfloat16.
 Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call,
-so each call reads A from DRAM. The ceiling is a large device-to-device copy measured in the
-same run; the library op a user would otherwise call is torch.addmv (cuBLAS), in place on y.
+so each call reads A from DRAM, taken in ROUNDS rounds that rotate the order of the
+implementations (the median of the rounds): cuBLAS's own rate moves by a percent or two with
+clock and temperature, so a fixed order would favour whichever runs first. The ceiling is a
+large device-to-device copy measured in the same run; the library op a user would otherwise
+call is torch.addmv (cuBLAS), in place on y.
 cute_impl is measured when it can be imported.
 """
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ except ImportError as error:
 SIZES = [1024, 2048, 4096, 8192, 16384]
 LAYOUTS = ["row", "col"]
 DTYPES = [torch.float32, torch.bfloat16]
+ROUNDS = 3
 
 
 def make_operands(m, n, dtype, layout):
@@ -57,8 +62,19 @@ def gemv_call(gemv, A, x, y):
     return lambda: gemv(ALPHA, A, x, BETA, y)
 
 
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def interleaved_ms(calls):
+    """{name: ms}: the median over ROUNDS rounds of each call's median time, every round in a
+    rotated order, so that no implementation always runs first (cool) or last (hot)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(median_ms(calls[name], rep=40))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def copy_ceiling_gbps():
@@ -106,7 +122,7 @@ def main():
             for size in SIZES:
                 m = n = size
                 operands = make_operands(m, n, dtype, layout)
-                times = {name: median_ms(gemv_call(f, *operands)) for name, f in IMPLS.items()}
+                times = interleaved_ms({name: gemv_call(f, *operands) for name, f in IMPLS.items()})
                 for impl, ms in times.items():
                     gbps = elements_moved(m, n) * operands[0].element_size() / ms / 1e6
                     rows.append(
