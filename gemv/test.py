@@ -560,7 +560,7 @@ from triton.compiler import ASTSource
 import triton_impl
 
 def vector_loads(dtype, layout, a_contiguous):
-    block_m, block_n = triton_impl.TILES[layout, dtype.itemsize][:2]
+    block_m, block_n, warps = triton_impl.TILES[layout, dtype.itemsize]
     constexprs = {"READ_A": True, "READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
                   "LOG2_BLOCK_N": block_n.bit_length() - 1, "stride_x": 1, "stride_y": 1}
     if a_contiguous:
@@ -578,7 +578,7 @@ def vector_loads(dtype, layout, a_contiguous):
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(triton_impl.gemv_kernel, signature, constexprs, attrs)
     target = GPUTarget("cuda", 90, 32)
-    options = {"num_warps": triton_impl.num_warps(layout, dtype)}
+    options = {"num_warps": warps}
     compiled = triton.compile(source, target=target, options=options)
     return compiled.asm["ptx"].count("ld.global.v4")
 

@@ -104,11 +104,6 @@ def tile_shape(A):
     return TILES[mapping(A), A.element_size()][:2]
 
 
-def num_warps(layout, dtype):
-    """The warps of one program of gemv_kernel for the 'row' or 'col' mapping of `dtype`."""
-    return TILES[layout, dtype.itemsize][2]
-
-
 @triton.jit
 def pairwise_sum_rows(values, LEVELS: tl.constexpr):
     """The row sums of a [rows, 2**LEVELS] float32 block: add neighbours in pairs, LEVELS
@@ -222,12 +217,12 @@ def gemv(alpha, A, x, beta, y):
             )  # fmt: skip
         return y
     layout = mapping(A)
-    block_m, block_n = TILES[layout, A.element_size()][:2]
+    block_m, block_n, warps = TILES[layout, A.element_size()]
     with device:
         gemv_kernel[(triton.cdiv(m, block_m),)](
             A, x, y, m, n, A.stride(0), A.stride(1), x.stride(0), y.stride(0), alpha32, beta32,
             READ_A=read_a, READ_Y=beta32 != 0.0,
             BLOCK_M=block_m, BLOCK_N=block_n, LOG2_BLOCK_N=block_n.bit_length() - 1,
-            num_warps=num_warps(layout, A.dtype),
+            num_warps=warps,
         )  # fmt: skip
     return y
