@@ -18,15 +18,17 @@ How the rows are mapped onto the GPU
 A warp reads fast only when its 32 threads touch adjacent addresses, so the threads must be
 laid along A's contiguous dimension. That gives two kernels (README.md, "Two mappings"):
 
-`row_major_kernel`, rows contiguous. A block of 256 threads owns ROWS_PER_BLOCK = 8 rows, one
-  warp each, and the warp walks along its row in tiles of 32 * 8 vectors: lane t owns v
-  adjacent elements (one 16-byte vector, v = 16 / element size) in each run of 32 v, so
-  register k of a tile holds element 32 v (k div v) + v t + (k mod v), eight vectors (128
-  bytes) all in flight together. x is read with the same layout, so register k of A and of x
-  pair up. Register k adds into lane k mod 16 (LANES_PER_THREAD float32 running sums): 2
-  float32 or 4 16-bit products per lane and tile, in the order of k. At the end the row's sum
-  is put together level by level: the 16 lanes in the thread (a pairwise tree, 4 levels), then
-  the warp's 32 lanes (shfl.sync.bfly, 5 levels). No shared memory, no barrier.
+`row_major_kernel`, rows contiguous. A block of 256 threads gives each warp R rows (R = 1 for
+  float32, 2 for 16-bit data: 8 or 16 rows a block), and the warp walks along them together
+  in tiles of 32 V vectors a row (V = 8 float32, 4 16-bit): lane t owns v adjacent elements
+  (one 16-byte vector, v = 16 / element size) in each run of 32 v, so register k of a tile
+  holds element 32 v (k div v) + v t + (k mod v) of each of its rows; the R V vectors (128
+  bytes) are all in flight together. x is read once a tile with the same layout and serves
+  the R rows, so register k of A and of x pair up. Register k adds into the row's lane
+  k mod 16 (LANES_PER_THREAD float32 running sums a row): 2 products per lane and tile, in
+  the order of k. At the end each row's sum is put together level by level: its 16 lanes in
+  the thread (a pairwise tree, 4 levels), then the warp's 32 lanes (shfl.sync.bfly, 5
+  levels). No shared memory, no barrier.
 `column_major_kernel`, columns contiguous. A block owns one 128-byte line of each column: 8
   threads down it, each one 16-byte vector of v rows (32 float32 or 64 16-bit rows), and 32
   threads across the columns. The thread layout (8, 32):(1, 8) makes thread t the pair
@@ -72,13 +74,15 @@ VECTOR_BYTES = 16
 # Float32 running sums per thread, as in dot/cute_impl.py. A thread loads more elements of A per
 # tile than it has lanes (below); register k adds into lane k mod 16.
 LANES_PER_THREAD = 16
-# Row-major: one warp per row, so a block owns 8 rows and the row's sum needs no shared memory.
-# Each thread loads eight 16-byte vectors per tile (128 bytes in flight, 1024 float32 or 2048
-# 16-bit elements a warp): on the H200 at 16384 x 16384 that ran float32 at 103% of the copy
-# bandwidth and bfloat16 at 94%, against 96% and 92% for the former 2 rows of 4 warps each
-# loading two to four vectors.
-ROW_VECTORS_PER_THREAD = 8
-ROWS_PER_BLOCK = WARPS_PER_BLOCK
+# Row-major: a warp owns whole rows, so a row's sum needs no shared memory. Each thread loads
+# 128 bytes of A a tile, all in flight together: eight 16-byte vectors of one float32 row (on
+# the H200 at 16384 x 16384, 100-103% of the copy bandwidth), or four of each of two 16-bit
+# rows, which share each x vector and its conversion to float32 (bfloat16: 0.987-0.998x
+# cuBLAS in three H200 sweeps, against 0.982-0.987x for eight vectors of one row; 108
+# registers, two blocks an SM). Two rows of eight vectors (174 registers, one block an SM) ran
+# at 88%, four rows of four at 83%.
+ROW_VECTORS_PER_THREAD = {32: 8, 16: 4}  # by element width in bits
+ROWS_PER_WARP = {32: 1, 16: 2}
 # Column-major: a block owns one 128-byte line of each column, 8 threads of 16 bytes down it
 # (32 float32 rows, 64 16-bit rows), and 32 threads across the columns. The bytes in flight
 # decide the speed: at 16384 x 16384 bfloat16 a thread loading one vector from each of 8
@@ -103,8 +107,13 @@ def elems_per_vector(width):
 
 
 def row_tile(width):
-    """Elements of a row that its warp loads per tile: 1024 float32, 2048 16-bit."""
-    return WARP_SIZE * ROW_VECTORS_PER_THREAD * elems_per_vector(width)
+    """Elements of a row that its warp loads per tile: 1024 float32, 1024 16-bit."""
+    return WARP_SIZE * ROW_VECTORS_PER_THREAD[width] * elems_per_vector(width)
+
+
+def rows_per_block(width):
+    """Rows of A a row-major block owns: 8 float32, 16 16-bit."""
+    return WARPS_PER_BLOCK * ROWS_PER_WARP[width]
 
 
 def column_tile(width):
@@ -134,25 +143,29 @@ def warp_sum(value):
 
 
 @cute.jit
-def add_products(a_copy, a_tile, x_copy, x_tile, lanes, in_bounds):
-    """lanes[k mod L] += a_k * x_k over this thread's elements of one tile, widened to float32,
-    in the order of k. The two thread copies partition their tiles alike, so register k of A and
-    of x are a_ij and x_j of the same (i, j). in_bounds None: the whole tile is inside the
+def add_products(a_copy, a_tiles, x_copy, x_tile, lanes, in_bounds):
+    """lanes[r][k mod L] += a_k * x_k over this thread's elements of one tile of each row
+    block r in a_tiles, widened to float32, in the order of k; the x tile is loaded once for
+    all of them. The two thread copies partition their tiles alike, so register k of A and of
+    x are a_ij and x_j of the same (i, j). in_bounds None: the whole tile is inside the
     matrix, no predicate."""
-    a_mine = a_copy.partition_S(a_tile)
+    a_mine = [a_copy.partition_S(a_tile) for a_tile in a_tiles]
     x_mine = x_copy.partition_S(x_tile)
-    a_registers = cute.make_rmem_tensor_like(a_mine)
+    a_registers = [cute.make_rmem_tensor_like(mine) for mine in a_mine]
     x_registers = cute.make_rmem_tensor_like(x_mine)
     if cutlass.const_expr(in_bounds is not None):
-        a_registers.fill(0)  # what the predicate skips adds 0 * 0 = 0
+        for registers in a_registers:
+            registers.fill(0)  # what the predicate skips adds 0 * 0 = 0
         x_registers.fill(0)
     # All loads are issued before the first product, so they are in flight together.
-    cute.copy(a_copy, a_mine, a_registers, pred=in_bounds)
+    for r in cutlass.range_constexpr(len(a_tiles)):
+        cute.copy(a_copy, a_mine[r], a_registers[r], pred=in_bounds)
     cute.copy(x_copy, x_mine, x_registers, pred=in_bounds)
     # Widening is exact, and the compiler fuses each multiply and add into one fma.rn.f32.
-    for k in cutlass.range_constexpr(cute.size(a_registers)):
-        product = a_registers[k].to(cutlass.Float32) * x_registers[k].to(cutlass.Float32)
-        lanes[k % cute.size(lanes)] += product
+    for k in cutlass.range_constexpr(cute.size(x_registers)):
+        x_k = x_registers[k].to(cutlass.Float32)
+        for r in cutlass.range_constexpr(len(a_tiles)):
+            lanes[r][k % LANES_PER_THREAD] += a_registers[r][k].to(cutlass.Float32) * x_k
 
 
 @cute.jit
@@ -194,32 +207,43 @@ def row_major_kernel(
     thread, _, _ = cute.arch.thread_idx()
     block_idx, _, _ = cute.arch.block_idx()
     warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
+    width = A.element_type.width
+    warp_rows = ROWS_PER_WARP[width]
     # blockIdx is a 32-bit register: widen it before multiplying.
-    row = cutlass.Int64(block_idx) * ROWS_PER_BLOCK + warp
-    row_sum = cutlass.Float32(0.0)
+    first_row = cutlass.Int64(block_idx) * rows_per_block(width) + warp * warp_rows
+    row_sums = [cutlass.Float32(0.0)] * warp_rows
     if cutlass.const_expr(read_a):
-        tile_elems = row_tile(A.element_type.width)
-        lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
-        lanes.fill(0.0)
-        if row < m:  # the same for the whole warp: no warp diverges
-            a_row = A[row, None]
+        tile_elems = row_tile(width)
+        lanes = [cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32) for _ in range(warp_rows)]
+        for row_lanes in lanes:
+            row_lanes.fill(0.0)
+        if first_row < m:  # the same for the whole warp: no warp diverges
+            # In the matrix's last warp, rows past m read row m - 1 again; their sums are not
+            # stored.
+            a_rows = [A[cutlass.min(first_row + r, m - 1), None] for r in range(warp_rows)]
             lane_tile_copy = tile_copy.get_slice(lane)
             full_tiles = n // tile_elems
             for tile in cutlass.range(full_tiles):
-                a_tile = cute.local_tile(a_row, (tile_elems,), (tile,))
+                a_tiles = [cute.local_tile(a_row, (tile_elems,), (tile,)) for a_row in a_rows]
                 x_tile = cute.local_tile(x, (tile_elems,), (tile,))
-                add_products(lane_tile_copy, a_tile, lane_tile_copy, x_tile, lanes, None)
-            if full_tiles * tile_elems < n:  # the row's last, partial tile
+                add_products(lane_tile_copy, a_tiles, lane_tile_copy, x_tile, lanes, None)
+            if full_tiles * tile_elems < n:  # the rows' last, partial tile
                 lane_element_copy = element_copy.get_slice(lane)
                 coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (full_tiles,))
                 in_bounds = in_bounds_mask(lane_element_copy, coords, n)
-                a_tile = cute.local_tile(a_row, (tile_elems,), (full_tiles,))
+                a_tiles = [cute.local_tile(a_row, (tile_elems,), (full_tiles,)) for a_row in a_rows]
                 x_tile = cute.local_tile(x, (tile_elems,), (full_tiles,))
-                add_products(lane_element_copy, a_tile, lane_element_copy, x_tile, lanes, in_bounds)
+                add_products(
+                    lane_element_copy, a_tiles, lane_element_copy, x_tile, lanes, in_bounds
+                )
         # Every lane takes part in the shuffles, inside the matrix or not.
-        row_sum = warp_sum(pairwise_sum([lanes[k] for k in range(LANES_PER_THREAD)]))
-    if lane == 0 and row < m:
-        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
+        row_sums = [
+            warp_sum(pairwise_sum([row_lanes[k] for k in range(LANES_PER_THREAD)]))
+            for row_lanes in lanes
+        ]
+    for r in cutlass.range_constexpr(warp_rows):
+        if lane == 0 and first_row + r < m:
+            finish_row(y, first_row + r, row_sums[r], alpha, beta, read_a, read_y)
 
 
 @cute.kernel
@@ -259,8 +283,8 @@ def column_major_kernel(
         if (block + 1) * block_rows <= m:
             for t in cutlass.range(full_tiles):
                 add_products(
-                    thread_tile_copy, cute.local_tile(A, tile, (block, t)),
-                    thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), lanes, None,
+                    thread_tile_copy, [cute.local_tile(A, tile, (block, t))],
+                    thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), [lanes], None,
                 )  # fmt: skip
             first_partial = full_tiles
         for t in cutlass.range(first_partial, tiles):
@@ -268,8 +292,8 @@ def column_major_kernel(
                 thread_element_copy, cute.local_tile(identity, tile, (block, t)), (m, n)
             )
             add_products(
-                thread_element_copy, cute.local_tile(A, tile, (block, t)),
-                thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), lanes, in_bounds,
+                thread_element_copy, [cute.local_tile(A, tile, (block, t))],
+                thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), [lanes], in_bounds,
             )  # fmt: skip
         # Register k holds row k mod v of the thread's vector and its column k div v, and adds
         # into lane k mod 16: the lanes hold each of the v rows in 16 / v column slots.
@@ -356,7 +380,7 @@ def launch_gemv(
         kernel = row_major_kernel(
             A, x, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
-        rows_per_block = ROWS_PER_BLOCK
+        block_rows = rows_per_block(dtype.width)
     else:
         # x as an (m, n) matrix whose every row is x: row stride 0.
         x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem)
@@ -364,9 +388,9 @@ def launch_gemv(
         kernel = column_major_kernel(
             A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
-        rows_per_block = column_tile(dtype.width)[0]
+        block_rows = column_tile(dtype.width)[0]
     kernel.launch(
-        grid=[cute.ceil_div(m, rows_per_block), 1, 1],
+        grid=[cute.ceil_div(m, block_rows), 1, 1],
         block=[THREADS_PER_BLOCK, 1, 1],
         stream=stream,
     )

@@ -156,7 +156,7 @@ def cute_roundings(A):
     product = 1 if A.dtype == torch.float32 else 0
     lanes, v = cute_impl.LANES_PER_THREAD, cute_impl.elems_per_vector(width)
     if cute_impl.mapping(A) == "row":
-        vectors, tile = cute_impl.ROW_VECTORS_PER_THREAD, cute_impl.row_tile(width)
+        vectors, tile = cute_impl.ROW_VECTORS_PER_THREAD[width], cute_impl.row_tile(width)
         tree = [lanes, cute_impl.WARP_SIZE]
     else:
         vectors, tile = cute_impl.COLUMN_VECTORS_PER_THREAD[width], cute_impl.column_tile(width)[1]
@@ -543,7 +543,7 @@ def test_grids_at_h200_sizes(dtype):
     for layout in LAYOUTS:
         assert m // triton_impl.tile_shape(h200_sized(dtype, layout))[0] >= 256
     if cute_impl is not None:
-        assert m // cute_impl.ROWS_PER_BLOCK >= 256
+        assert m // cute_impl.rows_per_block(width) >= 256
         assert m // cute_impl.column_tile(width)[0] >= 256
 
 
@@ -673,11 +673,13 @@ def test_cute_thread_value_layouts(layout, dtype, contiguous):
     README.md says, in the vector and the any-stride build alike and for the tile and the
     element copy alike (so x and A registers pair up, and the row sums are the rows'):
     row-major, lane t's register k is element 32 v (k div v) + v t + (k mod v) of the row's
-    tile, 8 vectors; column-major, thread t's register k is row (t mod 8) v + (k mod v) and
-    column (t div 8) + 32 (k div v) of the block's tile, 4 (float32) or 8 (16-bit) vectors."""
+    tile, 8 (float32) or 4 (16-bit) vectors; column-major, thread t's register k is row
+    (t mod 8) v + (k mod v) and column (t div 8) + 32 (k div v) of the block's tile, 4 (float32)
+    or 8 (16-bit) vectors."""
     v = cute_impl.VECTOR_BYTES // dtype.itemsize
     if layout == "row":
-        threads, vectors = [0, 1, 7, 8, 30, 31], cute_impl.ROW_VECTORS_PER_THREAD
+        threads = [0, 1, 7, 8, 30, 31]
+        vectors = cute_impl.ROW_VECTORS_PER_THREAD[dtype.itemsize * 8]
     else:
         threads = [0, 1, 7, 8, 9, 31, 32, 127, 128, 200, 255]
         vectors = cute_impl.COLUMN_VECTORS_PER_THREAD[dtype.itemsize * 8]
