@@ -562,7 +562,8 @@ import triton_impl
 def vector_loads(dtype, layout, a_contiguous):
     block_m, block_n, warps = triton_impl.TILES[layout, dtype.itemsize]
     constexprs = {"READ_A": True, "READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "LOG2_BLOCK_N": block_n.bit_length() - 1, "stride_x": 1, "stride_y": 1}
+                  "LOG2_BLOCK_N": block_n.bit_length() - 1, "HALVES": layout == "col",
+                  "stride_x": 1, "stride_y": 1}
     if a_contiguous:
         constexprs["stride_an" if layout == "row" else "stride_am"] = 1
     element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
