@@ -648,11 +648,13 @@ def test_triton_tma_pipeline(triton_loads, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_ptx(layout, dtype):
     """The CuTe kernels build for sm_90a with 128-bit vector loads of A on the fast path (none
-    in the any-stride build). Row-major, a warp's row sum ends in the warp shuffles README.md
-    counts, with no barrier; column-major, the rows' partial sums meet in shared memory behind
-    one barrier, with no shuffle."""
+    in the any-stride build), row-major with the L2 prefetch hint cute_impl asks for.
+    Row-major, a warp's row sum ends in the warp shuffles README.md counts, with no barrier;
+    column-major, the rows' partial sums meet in shared memory behind one barrier, with no
+    shuffle."""
     vector, scalar = cute_impl.ptx_of(dtype, layout, True), cute_impl.ptx_of(dtype, layout, False)
-    assert "ld.global.v4" in vector and "ld.global.v4" not in scalar
+    vector_load = "ld.global.L2::128B.v4" if layout == "row" else "ld.global.v4"
+    assert vector_load in vector and ".v4" not in scalar
     shuffles = layout == "row"
     assert ("bar.sync" in vector) != shuffles and ("bar.sync" in scalar) != shuffles
     assert ("shfl.sync.bfly" in vector) == shuffles and ("shfl.sync.bfly" in scalar) == shuffles
