@@ -29,17 +29,18 @@ laid along A's contiguous dimension. That gives two kernels (README.md, "Two map
   the order of k. At the end each row's sum is put together level by level: its 16 lanes in
   the thread (a pairwise tree, 4 levels), then the warp's 32 lanes (shfl.sync.bfly, 5
   levels). No shared memory, no barrier.
-`column_major_kernel`, columns contiguous. A block owns one 128-byte line of each column: 8
-  threads down it, each one 16-byte vector of v rows (32 float32 or 64 16-bit rows), and 32
-  threads across the columns. The thread layout (8, 32):(1, 8) makes thread t the pair
-  (t mod 8, t div 8), taking columns t div 8 + 32 q of each tile, q < c, with c = 4 for
-  float32 and 8 for 16-bit data (64 or 128 bytes in flight a thread; tiles of 128 and 256
-  columns). Register k holds row k mod v and column slot k div v and adds into lane k mod 16,
-  so the lanes hold each of the v rows in 16 / v column slots (4 for float32, 2 for 16-bit,
-  where each lane takes 4 columns a tile). The sum over columns stays in the thread's own
-  registers, with no shuffle. At the end each thread adds its column slots per row (a
-  pairwise tree), the 32 column threads of a row meet in shared memory (one barrier), and one
-  thread per row adds their partial sums (a pairwise tree, 5 levels) and finishes the row.
+`column_major_kernel`, columns contiguous. A block owns D 16-byte vectors of each column,
+  one a thread down it, and 32 threads across the columns: D = 8 for float32 (one 128-byte
+  line, 32 rows, 256 threads), D = 16 for 16-bit data (two lines, 128 rows, 512 threads). The
+  thread layout (D, 32):(1, D) makes thread t the pair (t mod D, t div D), taking columns
+  t div D + 32 q of each tile, q < c, with c = 4 for float32 and 8 for 16-bit data (64 or 128
+  bytes in flight a thread; tiles of 128 and 256 columns). Register k holds row k mod v and
+  column slot k div v and adds into lane k mod 16, so the lanes hold each of the v rows in
+  16 / v column slots (4 for float32, 2 for 16-bit, where each lane takes 4 columns a tile).
+  The sum over columns stays in the thread's own registers, with no shuffle. At the end each
+  thread adds its column slots per row (a pairwise tree), the 32 column threads of a row meet
+  in shared memory (one barrier), and one thread per row adds their partial sums (a pairwise
+  tree, 5 levels) and finishes the row.
 
 Common to both:
 * Full tiles of a vector build (A's contiguous dimension has stride 1 and 16-byte aligned
@@ -65,7 +66,7 @@ import torch
 
 from reference import check_operands, to_float32
 
-# 256 threads = 8 warps per block.
+# 256 threads = 8 warps per block (the row-major kernel; column-major below).
 THREADS_PER_BLOCK = 256
 WARP_SIZE = 32
 WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
@@ -83,16 +84,19 @@ LANES_PER_THREAD = 16
 # at 88%, four rows of four at 83%.
 ROW_VECTORS_PER_THREAD = {32: 8, 16: 4}  # by element width in bits
 ROWS_PER_WARP = {32: 1, 16: 2}
-# Column-major: a block owns one 128-byte line of each column, 8 threads of 16 bytes down it
-# (32 float32 rows, 64 16-bit rows), and 32 threads across the columns. The bytes in flight
-# decide the speed: at 16384 x 16384 bfloat16 a thread loading one vector from each of 8
-# columns (128 bytes, 122 registers, two blocks of the 256 an SM) ran at 94-96% of the copy
-# bandwidth, 4 columns (64 bytes) at 89%, and the former half-line blocks of 32 rows at 86-89%.
-# float32 stays at 4 columns (64 bytes): 8 would take 152 registers, one block an SM, and ran
-# at 90% against 97%.
-THREADS_DOWN_A_COLUMN = 8
-THREADS_ACROSS_COLUMNS = THREADS_PER_BLOCK // THREADS_DOWN_A_COLUMN
-COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}  # by element width in bits
+# Column-major: a block has 32 threads across the columns and D down each column, one 16-byte
+# vector each: D = 8 for float32 (one 128-byte line of each column, 32 rows, 256 threads),
+# D = 16 for 16-bit data (two lines, 128 rows, 512 threads). The bytes in flight decide the
+# speed: at 16384 x 16384 bfloat16 a thread loading one vector from each of 8 columns (128
+# bytes, 122 registers) ran at 94-96% of the copy bandwidth, 4 columns (64 bytes) at 89%, and
+# half-line blocks of 32 rows at 86-89%. Two lines a block (128 blocks of 512 threads, one an
+# SM, the shape of cuBLAS's kernel) then ran at 0.997-1.001x cuBLAS in two H200 sweeps,
+# against 0.992-0.993x for one line (256 blocks of 256 threads, two an SM). float32 stays at
+# one line and 4 columns (64 bytes): 8 columns would take 152 registers and ran at 90% against
+# 97%, two lines at 96.7% against 97.3%.
+THREADS_ACROSS_COLUMNS = 32
+THREADS_DOWN_A_COLUMN = {32: 8, 16: 16}  # by element width in bits
+COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -117,9 +121,14 @@ def rows_per_block(width):
 
 
 def column_tile(width):
-    """(rows, columns) of a column-major block's tile: 32 x 128 float32, 64 x 256 16-bit."""
-    rows = THREADS_DOWN_A_COLUMN * elems_per_vector(width)
+    """(rows, columns) of a column-major block's tile: 32 x 128 float32, 128 x 256 16-bit."""
+    rows = THREADS_DOWN_A_COLUMN[width] * elems_per_vector(width)
     return rows, THREADS_ACROSS_COLUMNS * COLUMN_VECTORS_PER_THREAD[width]
+
+
+def column_threads(width):
+    """Threads of a column-major block: 256 float32, 512 16-bit."""
+    return THREADS_DOWN_A_COLUMN[width] * THREADS_ACROSS_COLUMNS
 
 
 def pairwise_sum(values):
@@ -263,8 +272,9 @@ def column_major_kernel(
     thread, _, _ = cute.arch.thread_idx()
     block_idx, _, _ = cute.arch.block_idx()
     block = cutlass.Int64(block_idx)  # 32-bit register, widened before multiplying
-    v = elems_per_vector(A.element_type.width)
-    block_rows, tile_columns = column_tile(A.element_type.width)
+    width = A.element_type.width
+    v = elems_per_vector(width)
+    block_rows, tile_columns = column_tile(width)
     row_sum = cutlass.Float32(0.0)
     if cutlass.const_expr(read_a):
         tile = (block_rows, tile_columns)
@@ -301,8 +311,8 @@ def column_major_kernel(
             cute.arch.alloc_smem(cutlass.Float32, block_rows * THREADS_ACROSS_COLUMNS),
             cute.make_layout((block_rows, THREADS_ACROSS_COLUMNS), stride=(1, block_rows)),
         )
-        row_thread = thread % THREADS_DOWN_A_COLUMN
-        column_thread = thread // THREADS_DOWN_A_COLUMN
+        row_thread = thread % THREADS_DOWN_A_COLUMN[width]
+        column_thread = thread // THREADS_DOWN_A_COLUMN[width]
         for r in cutlass.range_constexpr(v):
             slots = [lanes[r + v * c] for c in range(LANES_PER_THREAD // v)]
             partials[row_thread * v + r, column_thread] = pairwise_sum(slots)
@@ -324,11 +334,10 @@ def tiled_copies(dtype, layout, vector_elems):
         thread_layout = cute.make_layout(WARP_SIZE)
         value_layout = cute.make_layout(v)
     else:
-        # (8, 32):(1, 8): thread t is (t mod 8) down the rows and (t div 8) across the columns,
-        # and holds one vector of v rows of each of its columns.
-        thread_layout = cute.make_layout(
-            (THREADS_DOWN_A_COLUMN, THREADS_ACROSS_COLUMNS), stride=(1, THREADS_DOWN_A_COLUMN)
-        )
+        # (D, 32):(1, D): thread t is (t mod D) down the rows and (t div D) across the
+        # columns, and holds one vector of v rows of each of its columns.
+        down = THREADS_DOWN_A_COLUMN[dtype.width]
+        thread_layout = cute.make_layout((down, THREADS_ACROSS_COLUMNS), stride=(1, down))
         value_layout = cute.make_layout((v, 1))
     tile_op, element_op = cute.nvgpu.CopyUniversalOp(), cute.nvgpu.CopyUniversalOp()
     tile_hints = {}
@@ -393,7 +402,7 @@ def launch_gemv(
         kernel = row_major_kernel(
             A, x, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
-        block_rows = rows_per_block(dtype.width)
+        block_rows, threads = rows_per_block(dtype.width), THREADS_PER_BLOCK
     else:
         # x as an (m, n) matrix whose every row is x: row stride 0.
         x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem)
@@ -401,10 +410,10 @@ def launch_gemv(
         kernel = column_major_kernel(
             A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
-        block_rows = column_tile(dtype.width)[0]
+        block_rows, threads = column_tile(dtype.width)[0], column_threads(dtype.width)
     kernel.launch(
         grid=[cute.ceil_div(m, block_rows), 1, 1],
-        block=[THREADS_PER_BLOCK, 1, 1],
+        block=[threads, 1, 1],
         stream=stream,
     )
 

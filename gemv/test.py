@@ -536,15 +536,20 @@ def test_roundings_at_h200_sizes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grids_at_h200_sizes(dtype):
-    """At m = 16384 every kernel starts at least 256 programs or blocks, two for each of the
-    H200's 132 SMs but 8, as many as the largest (122 registers a thread) fit at once: the
-    whole grid runs in one wave, and no SM idles."""
+    """At m = 16384 every kernel keeps the H200's 132 SMs busy: at least 256 programs or
+    blocks of at most 256 threads, two for each SM but 8, as many as the largest (122
+    registers a thread) fit at once, or, for CuTe's 16-bit column-major kernel, 128 blocks of
+    512 threads, one an SM, in a single wave, as cuBLAS's kernel runs."""
     m, width = 16384, dtype.itemsize * 8
     for layout in LAYOUTS:
         assert m // triton_impl.tile_shape(h200_sized(dtype, layout))[0] >= 256
     if cute_impl is not None:
         assert m // cute_impl.rows_per_block(width) >= 256
-        assert m // cute_impl.column_tile(width)[0] >= 256
+        column_blocks = m // cute_impl.column_tile(width)[0]
+        if cute_impl.column_threads(width) == 512:
+            assert 128 <= column_blocks <= 132
+        else:
+            assert column_blocks >= 256
 
 
 # Compiles triton_impl's kernel for sm_90 without a GPU and prints, per dtype and layout, how
@@ -676,15 +681,17 @@ def test_cute_thread_value_layouts(layout, dtype, contiguous):
     README.md says, in the vector and the any-stride build alike and for the tile and the
     element copy alike (so x and A registers pair up, and the row sums are the rows'):
     row-major, lane t's register k is element 32 v (k div v) + v t + (k mod v) of the row's
-    tile, 8 (float32) or 4 (16-bit) vectors; column-major, thread t's register k is row
-    (t mod 8) v + (k mod v) and column (t div 8) + 32 (k div v) of the block's tile, 4 (float32)
-    or 8 (16-bit) vectors."""
+    tile, 8 (float32) or 4 (16-bit) vectors; column-major, with D = 8 (float32) or 16 (16-bit)
+    threads down a column, thread t's register k is row (t mod D) v + (k mod v) and column
+    (t div D) + 32 (k div v) of the block's tile, 4 (float32) or 8 (16-bit) vectors."""
     v = cute_impl.VECTOR_BYTES // dtype.itemsize
     if layout == "row":
         threads = [0, 1, 7, 8, 30, 31]
         vectors = cute_impl.ROW_VECTORS_PER_THREAD[dtype.itemsize * 8]
     else:
-        threads = [0, 1, 7, 8, 9, 31, 32, 127, 128, 200, 255]
+        down = cute_impl.THREADS_DOWN_A_COLUMN[dtype.itemsize * 8]
+        threads = [0, 1, 7, 8, 9, 15, 16, 31, 32, 127, 128, 200, 255]
+        threads += [t for t in (256, 300, 511) if t < cute_impl.column_threads(dtype.itemsize * 8)]
         vectors = cute_impl.COLUMN_VECTORS_PER_THREAD[dtype.itemsize * 8]
     found = cute_impl.register_coordinates(dtype, layout, contiguous, threads)
     for (t, _), coords in found.items():
@@ -693,7 +700,7 @@ def test_cute_thread_value_layouts(layout, dtype, contiguous):
             if layout == "row":
                 expected = 32 * v * (k // v) + v * t + k % v
             else:
-                expected = ((t % 8) * v + k % v, t // 8 + 32 * (k // v))
+                expected = ((t % down) * v + k % v, t // down + 32 * (k // v))
             assert coord == expected, f"thread {t} register {k}: {coord}, not {expected}"
 
 
