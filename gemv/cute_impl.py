@@ -329,30 +329,29 @@ def tiled_copies(dtype, layout, vector_elems):
     one thread-value layout and two access widths, vector_elems elements (a 16-byte vector, or
     1 in the any-stride build) and one element (the predicated copies of partial tiles)."""
     v = elems_per_vector(dtype.width)
+    tile_op, tile_hints = cute.nvgpu.CopyUniversalOp(), {}
     if layout == "row":
         # Lane t of a row's warp owns v adjacent elements in each run of 32 v.
         thread_layout = cute.make_layout(WARP_SIZE)
         value_layout = cute.make_layout(v)
+        # The full tiles' loads carry an L2 prefetch hint (ld.global.L2::128B): L2 fetches the
+        # whole 128-byte line around each access from memory. Measured, not derived: on the
+        # H200 at 16384 x 16384 bfloat16 it took the row-major kernel from 0.997x to 1.009x
+        # cuBLAS; the column-major kernel ran no faster with it (README.md).
+        tile_op = cute.nvgpu.CopyG2ROp()
+        tile_hints = {"l2_prefetch_size": cute.nvgpu.L2PrefetchSize.SIZE_128B}
     else:
         # (D, 32):(1, D): thread t is (t mod D) down the rows and (t div D) across the
         # columns, and holds one vector of v rows of each of its columns.
         down = THREADS_DOWN_A_COLUMN[dtype.width]
         thread_layout = cute.make_layout((down, THREADS_ACROSS_COLUMNS), stride=(1, down))
         value_layout = cute.make_layout((v, 1))
-    tile_op, element_op = cute.nvgpu.CopyUniversalOp(), cute.nvgpu.CopyUniversalOp()
-    tile_hints = {}
-    if layout == "row":
-        # The full tiles' loads carry an L2 prefetch hint (ld.global.L2::128B): L2 fetches the
-        # whole 128-byte line around each access from memory. Measured, not derived: on the
-        # H200 at 16384 x 16384 bfloat16 it took the row-major kernel from 0.997x to 1.009x
-        # cuBLAS; the column-major kernel, which reads one line of each column a block, ran
-        # no faster with it (README.md).
-        tile_op = cute.nvgpu.CopyG2ROp()
-        tile_hints = {"l2_prefetch_size": cute.nvgpu.L2PrefetchSize.SIZE_128B}
     tile_atom = cute.make_copy_atom(
         tile_op, dtype, num_bits_per_copy=dtype.width * vector_elems, **tile_hints
     )
-    element_atom = cute.make_copy_atom(element_op, dtype, num_bits_per_copy=dtype.width)
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
     return tuple(
         cute.make_tiled_copy_tv(atom, thread_layout, value_layout)
         for atom in (tile_atom, element_atom)

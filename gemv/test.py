@@ -46,7 +46,7 @@ IMPLS = ["torch", "triton", "cute"]
 LAYOUTS = ["row", "col"]
 # (m, n): 1x1, primes, 2**k +- 1, and the edges of the tiles: Triton's 16 x 256 (float32) and
 # 16 x 1024 (16-bit) row tiles, 32 x 128 column tiles and 64 x 64 / 64 x 128 TMA tiles; CuTe's
-# blocks of 8 rows with 1024 / 2048-element row tiles and its 32 x 128 / 64 x 256 column tiles.
+# row blocks of 8 / 16 rows with 1024-element row tiles and its 32 x 128 / 128 x 256 column tiles.
 # Column-major A is the transpose of an (n, m) tensor, so m a multiple of 8 (16, 32, 64) takes
 # Triton's TMA kernel and the other m its pointer kernel.
 SHAPES = [
@@ -147,11 +147,11 @@ def cute_roundings(A):
 
     A thread loads V vectors of v elements per tile and adds register k into lane k mod L
     (L = 16 lanes), so each lane takes F = V v / L products a tile in series: one rounding each
-    but the first, F ceil(n / tile) - 1 in all, after the product's own. Row-major (V = 8,
-    tiles of 32 V v elements): then log2(L) levels in the thread and log2(32) shuffle levels.
-    Column-major (V columns of the thread, tiles of 32 V columns): then log2(L / v) column
-    slots in the thread and log2(32) levels over the row's partial sums. Both end with
-    alpha * sum and the addition of beta * y_i."""
+    but the first, F ceil(n / tile) - 1 in all, after the product's own. Row-major (V = 8
+    float32 or 4 16-bit vectors a row, tiles of 32 V v elements): then log2(L) levels in the
+    thread and log2(32) shuffle levels. Column-major (V columns of the thread, tiles of 32 V
+    columns): then log2(L / v) column slots in the thread and log2(32) levels over the row's
+    partial sums. Both end with alpha * sum and the addition of beta * y_i."""
     n, width = A.shape[1], A.dtype.itemsize * 8
     product = 1 if A.dtype == torch.float32 else 0
     lanes, v = cute_impl.LANES_PER_THREAD, cute_impl.elems_per_vector(width)
@@ -537,9 +537,8 @@ def test_roundings_at_h200_sizes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grids_at_h200_sizes(dtype):
     """At m = 16384 every kernel keeps the H200's 132 SMs busy: at least 256 programs or
-    blocks of at most 256 threads, two for each SM but 8, as many as the largest (122
-    registers a thread) fit at once, or, for CuTe's 16-bit column-major kernel, 128 blocks of
-    512 threads, one an SM, in a single wave, as cuBLAS's kernel runs."""
+    blocks of at most 256 threads, about two for each SM, or, for CuTe's 16-bit column-major
+    kernel, 128 blocks of 512 threads, one an SM, in a single wave, as cuBLAS's kernel runs."""
     m, width = 16384, dtype.itemsize * 8
     for layout in LAYOUTS:
         assert m // triton_impl.tile_shape(h200_sized(dtype, layout))[0] >= 256
