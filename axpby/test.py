@@ -209,6 +209,9 @@ def test_negative_controls():
     torch's extra rounding of beta*y in bfloat16 where the fused kernels' bound applies."""
     n, alpha, beta = 10000, 0.3, -1.7
     x, y = random_vector(n, torch.bfloat16).cpu(), random_vector(n, torch.bfloat16).cpu()
+    # Elements 500 and 501 far apart (-1.4 and 1.4): with random values they were sometimes
+    # within the bound of each other, and the neighbour control passed.
+    x[500], y[500], x[501], y[501] = 1.0, 1.0, -1.0, -1.0
     exact = reference.axpby(alpha, x, beta, y)
     fused_bound = error_bound(alpha, x, beta, y, exact)
     neighbour = exact.to(torch.bfloat16)
