@@ -4,7 +4,8 @@ The same shape as copy's kernel: program `pid` of a 1-D grid owns BLOCK consecut
 both vectors, and a mask turns off the lanes past n. x and y are widened to float32, combined in
 float32 registers (alpha and beta arrive as float32 arguments) and rounded once at the store:
 3n elements of traffic, the minimum. Which operands are read is decided at compile time
-(READ_X = alpha != 0, READ_Y = beta != 0), so BLAS's "not read" is literally no load.
+(READ_X = alpha32 != 0, READ_Y = beta32 != 0, on the scalars rounded to float32 as the
+definition has them), so BLAS's "not read" is literally no load.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference import check_operands
+from reference import check_operands, to_float32
 
 # 4 KiB per operand per program over 8 warps: one 16-byte vector per thread. Measured on the
 # H200 at n = 2**28: 4 KiB programs beat 16 KiB ones by 4-5% (4.26 against 4.06 TB/s for copy),
@@ -65,11 +66,13 @@ def axpby(alpha, x, beta, y):
     n = y.numel()
     if n == 0:
         return y
+    # The definition's scalars: a value that rounds to 0 in float32 is a zero, and not read.
+    alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     block = BLOCK_BYTES // y.element_size()
     grid = (triton.cdiv(n, block),)
     with device:
         axpby_kernel[grid](
-            x, y, n, x.stride(0), y.stride(0), float(alpha), float(beta),
-            READ_X=alpha != 0, READ_Y=beta != 0, BLOCK=block, num_warps=NUM_WARPS,
+            x, y, n, x.stride(0), y.stride(0), alpha32, beta32,
+            READ_X=alpha32 != 0.0, READ_Y=beta32 != 0.0, BLOCK=block, num_warps=NUM_WARPS,
         )  # fmt: skip
     return y

@@ -19,7 +19,7 @@ in float64 (products of float32 numbers lie between 2**-298 and 2**256).
 BLAS's corner semantics are part of the definition: beta == 0 means C is not read (a NaN in C
 does not propagate), alpha == 0 means A and B are not read (C = beta*C; both zero: C = 0), and
 k == 0 gives C = beta*C. C is written while A and B are read, so it may share no memory with
-either, and no two of its elements may share an address (no stride 0). `check_operands` says
+either, and no two of its elements may share an address (`elements_collide`). `check_operands` says
 which inputs are valid (every implementation calls it before launching anything) and `gemm`
 what the answer is, as plain Python over Python floats. It returns a new float64 tensor of
 shape (m, n) and mutates nothing.
@@ -35,7 +35,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def address_range(t):
-    """[first byte, one past the last byte] that the elements of t occupy (torch strides are
+    """[first byte, one past the last byte] of the memory t's elements occupy (torch strides are
     never negative); None for an empty tensor."""
     if t.numel() == 0:
         return None
@@ -43,15 +43,47 @@ def address_range(t):
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def may_share_memory(a, b):
-    """True when a and b live in one storage and their address ranges meet (numpy's
-    may_share_memory test): interleaved views that never touch also count as sharing."""
+def overlap(a, b):
+    """How the elements of a and b share memory: 'none', 'same' (the very same elements in the
+    same order) or 'partial'. Judged by addresses, not by storages: two storages can cover one
+    memory (views of one numpy array, DLPack imports). Conservative: address ranges that cross
+    are 'partial' without a search for a common element, except two 1-D views of one step whose
+    elements sit in the gaps between each other's (buf[0::2] and buf[1::2]), which are 'none'."""
     range_a, range_b = address_range(a), address_range(b)
-    if range_a is None or range_b is None:
+    if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
+        return "none"
+    if (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and range_a[0] == range_b[0]
+        and all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+    ):
+        return "same"
+    if a.dim() == b.dim() == 1 and a.dtype == b.dtype and min(a.numel(), b.numel()) > 1:
+        size, step = a.element_size(), a.stride(0) * a.element_size()
+        if (
+            0 < a.stride(0) == b.stride(0)
+            and size <= (range_a[0] - range_b[0]) % step <= step - size
+        ):
+            return "none"  # one step: the elements of one sit in the gaps between the other's
+    return "partial"
+
+
+def elements_collide(matrix):
+    """True if two different (i, j) of a 2-D tensor have one address, so that writing one would
+    overwrite the other. With strides s, t of dims of sizes m, n > 1, i s + j t = i' s + j' t
+    means (i - i') s = (j' - j) t, whose smallest nonzero solution is |i - i'| = t / g,
+    |j - j'| = s / g with g = gcd(s, t): a collision exactly when t / g < m and s / g < n. A dim
+    of size 1 never moves; a stride 0 along a longer dim always collides."""
+    (m, n), (s, t) = matrix.shape, matrix.stride()
+    if m == 0 or n == 0:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    return range_a[0] < range_b[1] and range_b[0] < range_a[1]
+    if m == 1 or n == 1:
+        return (m > 1 and s == 0) or (n > 1 and t == 0)
+    if s == 0 or t == 0:
+        return True
+    g = math.gcd(s, t)
+    return t // g < m and s // g < n
 
 
 def to_float32(value):
@@ -62,11 +94,20 @@ def to_float32(value):
         return math.copysign(math.inf, value)
 
 
+def check_scalar(name, value):
+    """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is beyond the range of a float (|{name}| > 1.8e308)") from None
+
+
 def check_operands(alpha, A, B, beta, C):
     """Raise TypeError/ValueError, naming the operand, for anything gemm does not accept."""
-    for name, scalar in (("alpha", alpha), ("beta", beta)):
-        if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
-            raise TypeError(f"{name} must be a real Python number, got {type(scalar).__name__}")
+    check_scalar("alpha", alpha)
+    check_scalar("beta", beta)
     for name, t in (("A", A), ("B", B), ("C", C)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -86,11 +127,13 @@ def check_operands(alpha, A, B, beta, C):
         raise ValueError(f"B has {k_b} rows but A has {k} columns")
     if tuple(C.shape) != (m, n):
         raise ValueError(f"C has shape {tuple(C.shape)} but A @ B has shape {(m, n)}")
-    for dim, name in ((0, "rows"), (1, "columns")):
-        if C.shape[dim] > 1 and C.stride(dim) == 0:
-            raise ValueError(f"C has stride 0 along its {name}: its elements overlap")
+    if elements_collide(C):
+        raise ValueError(
+            f"C's strides {C.stride()} give two of its elements one address: gemm would write "
+            "both into one place"
+        )
     for name, t in (("A", A), ("B", B)):
-        if may_share_memory(C, t):
+        if overlap(C, t) != "none":
             raise ValueError(f"C overlaps {name}: gemm writes C while it reads {name}")
 
 

@@ -13,6 +13,11 @@ choice never leaks in or out. torch 2.13 refuses to mix the legacy and the new s
 only the new one is touched when it exists. The CPU has no TF32 path here; it computes IEEE
 float32, which satisfies the TF32 bound too. The summation order is the library's own and
 undocumented; README.md bounds it accordingly.
+
+Two kinds of strides are routed around (`blas_operand`): cuBLAS refuses a leading dimension of
+2**31 - 1 or more, and torch 2.13's CPU bfloat16 mm was seen reading the padding past the end of
+A's rows (NaN there reached C) when the rows are padded and k is not a multiple of 8, so such
+operands are copied to contiguous ones first, and a C that needs it is computed in a copy.
 """
 
 import contextlib
@@ -20,6 +25,18 @@ import contextlib
 import torch
 
 from reference import check_operands, to_float32
+
+INT_MAX = 2**31 - 1  # BLAS takes sizes, strides and leading dimensions as 32-bit integers
+
+
+def blas_operand(t):
+    """t, or a contiguous copy of it when the BLAS call would mishandle its strides: a stride of
+    INT_MAX or more, or (16-bit data on the CPU) rows or columns padded apart."""
+    padded = t.device.type == "cpu" and t.dtype != torch.float32
+    padded = padded and not (t.is_contiguous() or t.T.is_contiguous())
+    if not padded and all(stride < INT_MAX for stride in t.stride()):
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 @contextlib.contextmanager
@@ -47,5 +64,7 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     if alpha32 == 0.0 or A.shape[1] == 0:
         return C.zero_() if beta32 == 0.0 else C.mul_(beta32)
+    C_blas = blas_operand(C)
     with float32_matmul_precision(C.device, allow_tf32):
-        return C.addmm_(A, B, beta=beta32, alpha=alpha32)
+        C_blas.addmm_(blas_operand(A), blas_operand(B), beta=beta32, alpha=alpha32)
+    return C if C_blas is C else C.copy_(C_blas)

@@ -44,7 +44,7 @@ def _check_tensor(name, t, ndim, what):
 
 
 def address_range(t):
-    """[first byte, one past the last byte] that the elements of t occupy (torch strides are
+    """[first byte, one past the last byte] of the memory t's elements occupy (torch strides are
     never negative); None for an empty tensor."""
     if t.numel() == 0:
         return None
@@ -52,16 +52,30 @@ def address_range(t):
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def may_share_memory(a, b):
-    """True when a and b live in one storage and their address ranges meet (numpy's
-    may_share_memory test): views whose elements interleave without touching, such as two
-    columns of one matrix, count as sharing. Exact answers need a search over the strides."""
+def overlap(a, b):
+    """How the elements of a and b share memory: 'none', 'same' (the very same elements in the
+    same order) or 'partial'. Judged by addresses, not by storages: two storages can cover one
+    memory (views of one numpy array, DLPack imports). Conservative: address ranges that cross
+    are 'partial' without a search for a common element, except two 1-D views of one step whose
+    elements sit in the gaps between each other's (buf[0::2] and buf[1::2]), which are 'none'."""
     range_a, range_b = address_range(a), address_range(b)
-    if range_a is None or range_b is None:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    return range_a[0] < range_b[1] and range_b[0] < range_a[1]
+    if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
+        return "none"
+    if (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and range_a[0] == range_b[0]
+        and all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+    ):
+        return "same"
+    if a.dim() == b.dim() == 1 and a.dtype == b.dtype and min(a.numel(), b.numel()) > 1:
+        size, step = a.element_size(), a.stride(0) * a.element_size()
+        if (
+            0 < a.stride(0) == b.stride(0)
+            and size <= (range_a[0] - range_b[0]) % step <= step - size
+        ):
+            return "none"  # one step: the elements of one sit in the gaps between the other's
+    return "partial"
 
 
 def to_float32(value):
@@ -72,11 +86,20 @@ def to_float32(value):
         return math.copysign(math.inf, value)
 
 
+def check_scalar(name, value):
+    """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is beyond the range of a float (|{name}| > 1.8e308)") from None
+
+
 def check_operands(alpha, A, x, beta, y):
     """Raise TypeError/ValueError, naming the operand, for anything gemv does not accept."""
-    for name, scalar in (("alpha", alpha), ("beta", beta)):
-        if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
-            raise TypeError(f"{name} must be a real Python number, got {type(scalar).__name__}")
+    check_scalar("alpha", alpha)
+    check_scalar("beta", beta)
     _check_tensor("A", A, 2, "a 2-D matrix")
     _check_tensor("x", x, 1, "a 1-D vector")
     _check_tensor("y", y, 1, "a 1-D vector")
@@ -95,7 +118,7 @@ def check_operands(alpha, A, x, beta, y):
     if m > 1 and y.stride(0) == 0:
         raise ValueError("y has stride 0: its elements overlap, so the result is undefined")
     for name, t in (("A", A), ("x", x)):
-        if may_share_memory(y, t):
+        if overlap(y, t) != "none":
             raise ValueError(f"y overlaps {name}: gemv writes y while it reads {name}")
 
 

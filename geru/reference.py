@@ -40,13 +40,16 @@ def _check_tensor(name, t, ndim, what):
         raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
 
 
-def elements_collide(A):
-    """True if two different (i, j) of A have one address. For positive strides s, t of dims of
-    sizes m, n > 1, i s + j t = i' s + j' t means (i - i') s = (j' - j) t, whose smallest
-    nonzero solution is |i - i'| = t / g, |j - j'| = s / g with g = gcd(s, t): a collision
-    exactly when t / g < m and s / g < n. A dim of size 1 never moves; stride 0 always collides."""
-    (m, n), (s, t) = A.shape, A.stride()
-    if m <= 1 or n <= 1:
+def elements_collide(matrix):
+    """True if two different (i, j) of a 2-D tensor have one address, so that writing one would
+    overwrite the other. With strides s, t of dims of sizes m, n > 1, i s + j t = i' s + j' t
+    means (i - i') s = (j' - j) t, whose smallest nonzero solution is |i - i'| = t / g,
+    |j - j'| = s / g with g = gcd(s, t): a collision exactly when t / g < m and s / g < n. A dim
+    of size 1 never moves; a stride 0 along a longer dim always collides."""
+    (m, n), (s, t) = matrix.shape, matrix.stride()
+    if m == 0 or n == 0:
+        return False
+    if m == 1 or n == 1:
         return (m > 1 and s == 0) or (n > 1 and t == 0)
     if s == 0 or t == 0:
         return True
@@ -54,22 +57,39 @@ def elements_collide(A):
     return t // g < m and s // g < n
 
 
-def byte_range(t):
-    """[first, last + 1) byte of the memory a tensor's elements occupy (torch strides are >= 0)."""
-    start = t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (last + 1) * t.element_size()
+def address_range(t):
+    """[first byte, one past the last byte] of the memory t's elements occupy (torch strides are
+    never negative); None for an empty tensor."""
+    if t.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def share_memory(a, b):
-    """True if a and b live in one storage and their byte ranges intersect. Conservative: views
-    that interleave without a common element (a column of the gap between A's rows) count too."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (start_a, end_a), (start_b, end_b) = byte_range(a), byte_range(b)
-    return start_a < end_b and start_b < end_a
+def overlap(a, b):
+    """How the elements of a and b share memory: 'none', 'same' (the very same elements in the
+    same order) or 'partial'. Judged by addresses, not by storages: two storages can cover one
+    memory (views of one numpy array, DLPack imports). Conservative: address ranges that cross
+    are 'partial' without a search for a common element, except two 1-D views of one step whose
+    elements sit in the gaps between each other's (buf[0::2] and buf[1::2]), which are 'none'."""
+    range_a, range_b = address_range(a), address_range(b)
+    if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
+        return "none"
+    if (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and range_a[0] == range_b[0]
+        and all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+    ):
+        return "same"
+    if a.dim() == b.dim() == 1 and a.dtype == b.dtype and min(a.numel(), b.numel()) > 1:
+        size, step = a.element_size(), a.stride(0) * a.element_size()
+        if (
+            0 < a.stride(0) == b.stride(0)
+            and size <= (range_a[0] - range_b[0]) % step <= step - size
+        ):
+            return "none"  # one step: the elements of one sit in the gaps between the other's
+    return "partial"
 
 
 def fastest_dim(A):
@@ -88,10 +108,19 @@ def to_float32(value):
         return math.copysign(math.inf, value)
 
 
+def check_scalar(name, value):
+    """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is beyond the range of a float (|{name}| > 1.8e308)") from None
+
+
 def check_operands(alpha, x, y, A):
     """Raise TypeError/ValueError, naming the operand, for anything geru does not accept."""
-    if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool):
-        raise TypeError(f"alpha must be a real Python number, got {type(alpha).__name__}")
+    check_scalar("alpha", alpha)
     _check_tensor("x", x, 1, "a 1-D vector")
     _check_tensor("y", y, 1, "a 1-D vector")
     _check_tensor("A", A, 2, "a 2-D matrix")
@@ -113,7 +142,7 @@ def check_operands(alpha, x, y, A):
             "overlapping dim): the update is undefined"
         )
     for name, v in (("x", x), ("y", y)):
-        if share_memory(v, A):
+        if overlap(v, A) != "none":
             raise ValueError(f"{name} shares memory with A, which geru writes while reading {name}")
 
 

@@ -31,10 +31,19 @@ def to_float32(value):
         return math.copysign(math.inf, value)
 
 
+def check_scalar(name, value):
+    """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is beyond the range of a float (|{name}| > 1.8e308)") from None
+
+
 def check_operands(alpha, y):
     """Raise TypeError/ValueError, naming the operand, for anything scal does not accept."""
-    if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool):
-        raise TypeError(f"alpha must be a real Python number, got {type(alpha).__name__}")
+    check_scalar("alpha", alpha)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     if y.dim() != 1:

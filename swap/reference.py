@@ -22,23 +22,38 @@ def _check_vector(name, v):
         raise TypeError(f"{name} has dtype {v.dtype}; supported: float32, float16, bfloat16")
 
 
+def address_range(t):
+    """[first byte, one past the last byte] of the memory t's elements occupy (torch strides are
+    never negative); None for an empty tensor."""
+    if t.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+
+
 def overlap(a, b):
-    """How the elements of two equally long 1-D views of one dtype share memory: 'none', 'same'
-    (the very same elements in the same order) or 'partial'. Interleaved views such as
-    buf[0::2] and buf[1::2] share no element and are 'none'; views of different steps whose
-    address ranges cross are reported 'partial' without searching for a common element."""
-    n, size = a.numel(), a.element_size()
-    if n == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """How the elements of a and b share memory: 'none', 'same' (the very same elements in the
+    same order) or 'partial'. Judged by addresses, not by storages: two storages can cover one
+    memory (views of one numpy array, DLPack imports). Conservative: address ranges that cross
+    are 'partial' without a search for a common element, except two 1-D views of one step whose
+    elements sit in the gaps between each other's (buf[0::2] and buf[1::2]), which are 'none'."""
+    range_a, range_b = address_range(a), address_range(b)
+    if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
-    start_a, start_b = a.data_ptr(), b.data_ptr()
-    step_a, step_b = a.stride(0) * size, b.stride(0) * size
-    if start_a == start_b and (step_a == step_b or n == 1):
+    if (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and range_a[0] == range_b[0]
+        and all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+    ):
         return "same"
-    end_a, end_b = start_a + (n - 1) * step_a + size, start_b + (n - 1) * step_b + size
-    if end_a <= start_b or end_b <= start_a:
-        return "none"
-    if step_a == step_b and size <= (start_a - start_b) % step_a <= step_a - size:
-        return "none"  # equal steps: the elements of one sit in the gaps between the other's
+    if a.dim() == b.dim() == 1 and a.dtype == b.dtype and min(a.numel(), b.numel()) > 1:
+        size, step = a.element_size(), a.stride(0) * a.element_size()
+        if (
+            0 < a.stride(0) == b.stride(0)
+            and size <= (range_a[0] - range_b[0]) % step <= step - size
+        ):
+            return "none"  # one step: the elements of one sit in the gaps between the other's
     return "partial"
 
 
