@@ -5,7 +5,7 @@ rounds each product and the sum in float32 and the store once, the fused kernels
 16-bit tensors torch would work in their dtype instead: `beta * y` rounded to 16 bits (into the
 subnormals for a tiny beta), and `alpha=` converted to 16 bits (1e5 overflows float16 with a
 RuntimeError, 1e-8 becomes 0). The price is traffic: 16-bit data is widened into temporaries,
-about 9n elements where a fused kernel moves 3n (README.md, "torch_impl.py"). The zero cases
+about 9n elements where a fused kernel moves 3n (README.md, "Fusion"). The zero cases
 take their own paths so that an operand BLAS does not read is never touched.
 """
 

@@ -6,6 +6,7 @@ launching them needs the GPU, and those tests say so when they skip.
 """
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -58,6 +59,13 @@ def implementation(name):
 def random_vector(n, dtype, step=1):
     """n fresh random values (a step > 1 gives a strided view into a larger buffer)."""
     return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def through_another_storage(view):
+    """view's memory through a second storage, as a DLPack import or a numpy view arrives."""
+    alias = torch.from_dlpack(view)
+    assert alias.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    return alias
 
 
 def poisoned(n, dtype, step=1, margin=64):
@@ -117,6 +125,18 @@ def test_copy_onto_itself(impl):
     assert_same_bits(x, before)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_copy_onto_itself_through_another_storage(impl):
+    """y the very same elements as x through another storage: 'same', nothing changes."""
+    copy = implementation(impl)
+    x = random_vector(2001, torch.float32)[1::2]
+    y = through_another_storage(x)
+    before = x.clone()
+    assert reference.overlap(x, y) == "same"
+    assert copy(x, y) is y
+    assert_same_bits(y, before)
+
+
 def bad_inputs():
     """(x, y, expected error, words the message must contain)"""
     f32 = lambda n, **kw: torch.randn(n, device=DEVICE, **kw)  # noqa: E731
@@ -129,6 +149,7 @@ def bad_inputs():
     yield f32(4), f32(4).half(), TypeError, "does not convert"
     yield f32(4), f32(1).expand(4), ValueError, "stride 0"
     yield buffer[0:10], buffer[5:15], ValueError, "partially overlap"
+    yield buffer[0:10], through_another_storage(buffer[5:15]), ValueError, "x and y partially"
     if ON_GPU:
         yield f32(4), torch.randn(4), ValueError, "is on cpu"
 
@@ -151,6 +172,39 @@ def test_interleaved_views_are_not_an_overlap():
     expected = x.clone()
     torch_impl.copy(x, y)
     assert_same_bits(y, expected)
+
+
+def small_view(buffer, step):
+    """A random view of buffer (start 0..8, length 0..6), half of them through another storage."""
+    view = buffer.as_strided((random.randrange(7),), (step,), random.randrange(9))
+    return torch.from_dlpack(view) if random.random() < 0.5 else view
+
+
+def element_offsets(view, buffer):
+    """Where view's elements sit in buffer, in order, judged by their addresses."""
+    first = (view.data_ptr() - buffer.data_ptr()) // view.element_size()
+    return [first + i * view.stride(0) for i in range(view.numel())]
+
+
+def test_overlap_against_brute_force():
+    """reference.overlap against the memory two small random views cover: 'none' means no
+    element in common, 'same' the same addresses in the same order, and two views of one
+    step > 0 that share no element (interleaved ones) are exactly 'none'."""
+    buffer, seen = random_vector(64, torch.float32), set()
+    for _ in range(5000):
+        step = random.randrange(5)
+        a = small_view(buffer, step)
+        b = small_view(buffer, random.choice([step, random.randrange(5)]))
+        answer = reference.overlap(a, b)
+        at_a, at_b = element_offsets(a, buffer), element_offsets(b, buffer)
+        disjoint = not set(at_a) & set(at_b)  # float32 views of one buffer: whole elements
+        where = f"{answer} for elements {at_a} and {at_b}, steps {a.stride(0)} and {b.stride(0)}"
+        assert answer != "none" or disjoint, where
+        assert answer != "same" or at_a == at_b, where
+        if 0 < a.stride(0) == b.stride(0) and disjoint:
+            assert answer == "none", where
+        seen.add(answer)
+    assert seen == {"none", "same", "partial"}
 
 
 def test_negative_control():

@@ -59,7 +59,7 @@ def overlap(a, b):
         and all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
     ):
         return "same"
-    if a.dim() == b.dim() == 1 and a.dtype == b.dtype and min(a.numel(), b.numel()) > 1:
+    if a.dim() == b.dim() == 1 and a.dtype == b.dtype:
         size, step = a.element_size(), a.stride(0) * a.element_size()
         if (
             0 < a.stride(0) == b.stride(0)

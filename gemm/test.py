@@ -346,6 +346,7 @@ def test_zero_scalars_do_not_read(impl, dtype):
     check(impl, ALPHA, A, B, 0.0, nan_C.clone(), "beta = 0")
     check(impl, 0.0, nan_A, nan_B, BETA, C.clone(), "alpha = 0")
     check(impl, 1e-50, nan_A, nan_B, BETA, C.clone(), "alpha rounds to 0")
+    check(impl, ALPHA, A, B, -1e-46, nan_C.clone(), "beta rounds to -0")
     out = nan_C.clone()
     implementation(impl)(0.0, nan_A, nan_B, 0.0, out)
     assert_same_bits(out, torch.zeros_like(out), "alpha = beta = 0")
@@ -539,6 +540,15 @@ def test_triton_ptx():
     assert tf32_wgmma > 0 and not tf32_rounded
 
 
+def alias(t):
+    """The elements of t through a second storage that starts at t's first element, as DLPack
+    imports and numpy views make them: unless t starts its own storage, a check by storage
+    identity misses that the two share memory."""
+    other = torch.from_dlpack(t)
+    assert other.untyped_storage().data_ptr() == t.data_ptr()
+    return other
+
+
 def bad_inputs():
     """(alpha, A, B, beta, C, expected error, words the message must contain)"""
     f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
@@ -558,11 +568,19 @@ def bad_inputs():
     yield 1.0, A.int(), B.int(), 1.0, C.int(), TypeError, "supported"
     yield 1.0, A, B.half(), 1.0, C, TypeError, "B has dtype torch.float16 but A"
     yield 1.0, A.bfloat16(), B.bfloat16(), 1.0, C, TypeError, "C has dtype torch.float32 but A"
-    yield 1.0, A, B, 1.0, f32(1, 5).expand(3, 5), ValueError, "C has stride 0 along its rows"
-    yield 1.0, A, B, 1.0, f32(3, 1).expand(3, 5), ValueError, "C has stride 0 along its columns"
+    yield 10**400, A, B, 1.0, C, ValueError, "alpha is beyond the range of a float"
+    yield 1.0, A, B, -(10**400), C, ValueError, "beta is beyond the range of a float"
+    collide = "give two of its elements one address"
+    yield 1.0, A, B, 1.0, f32(1, 5).expand(3, 5), ValueError, rf"\(0, 1\) {collide}"
+    yield 1.0, A, B, 1.0, f32(3, 1).expand(3, 5), ValueError, rf"\(1, 0\) {collide}"
+    yield 1.0, A, B, 1.0, f32(8).as_strided((3, 5), (1, 1)), ValueError, rf"\(1, 1\) {collide}"
+    yield 1.0, A, B, 1.0, f32(20).as_strided((3, 5), (3, 2)), ValueError, rf"\(3, 2\) {collide}"
     yield 1.0, buffer[:12].view(3, 4), B, 1.0, buffer[10:25].view(3, 5), ValueError, "C overlaps A"
     yield 1.0, A, buffer[20:40].view(4, 5), 1.0, buffer[39:54].view(3, 5), ValueError, "overlaps B"
-    yield 1.0, A, B, 1.0, A[:, :1].expand(3, 5)[:, :5], ValueError, "C has stride 0"
+    # Another storage over the same memory (DLPack import) overlaps all the same.
+    aliased_C = alias(buffer[10:25]).view(3, 5)
+    yield 1.0, buffer[:12].view(3, 4), B, 1.0, aliased_C, ValueError, "C overlaps A"
+    yield 1.0, A, B, 1.0, A[:, :1].expand(3, 5)[:, :5], ValueError, collide
     if ON_GPU:
         yield 1.0, A, B.cpu(), 1.0, C, ValueError, "B is on cpu"
         yield 1.0, A, B, 1.0, C.cpu(), ValueError, "C is on cpu"
@@ -579,6 +597,120 @@ def test_bad_input_raises_before_launch(impl, case):
         entry_point(impl)(*args)
     if before is not None:
         assert_same_bits(C.reshape(-1), before.reshape(-1), "C after a rejected call")
+
+
+def element_addresses(t):
+    """The address of every element of t, in index order, by brute force."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return (t.data_ptr() + offsets.flatten() * t.element_size()).tolist()
+
+
+def test_elements_collide_is_exact():
+    """The gcd rule agrees with a search of every pair of indices, for every shape up to 5 x 5
+    and every pair of strides up to 6."""
+    storage = torch.empty(64)
+    for m, n, s, t in np.ndindex(6, 6, 7, 7):
+        C = storage.as_strided((m, n), (s, t))
+        addresses = element_addresses(C)
+        assert reference.elements_collide(C) == (len(set(addresses)) < len(addresses)), (m, n, s, t)
+
+
+def test_overlap_is_judged_by_address():
+    """reference.overlap on random 2-D views of one buffer, half of them through a second
+    storage: 'none' only when no byte is shared, 'same' only for the very same elements."""
+    buffer, generator = torch.empty(256), torch.Generator().manual_seed(12)
+
+    def random_view():
+        shape = torch.randint(0, 5, (2,), generator=generator).tolist()
+        strides = torch.randint(0, 9, (2,), generator=generator).tolist()
+        offset = int(torch.randint(0, 40, (1,), generator=generator))
+        view = buffer.as_strided(shape, strides, offset)
+        return alias(view) if torch.rand(1, generator=generator) < 0.5 else view
+
+    def byte_set(t):
+        return {a + b for a in element_addresses(t) for b in range(t.element_size())}
+
+    answers = set()
+    for trial in range(2000):
+        a = random_view()
+        b = alias(a) if trial % 5 == 0 and a.numel() else random_view()
+        answer = reference.overlap(a, b)
+        answers.add(answer)
+        if answer == "none":
+            assert not byte_set(a) & byte_set(b), (a.shape, a.stride(), b.shape, b.stride())
+        if answer == "same":
+            assert element_addresses(a) == element_addresses(b)
+    assert answers == {"none", "same", "partial"}
+
+
+# (alpha, beta, scale of A and B, scale of C): scalars that float16 or bfloat16 cannot hold
+# (1e5 overflows float16; 1e-8 and 3e-8 are no 16-bit numbers, 1e-6 a float16 subnormal), with
+# operands scaled so that every term and result stays far inside float16's range.
+UNHELD_SCALARS = [(1e5, 1.0, 1e-2, 1.0), (1e-8, 1.0, 100.0, 1e-3), (1e-6, 3e-8, 1.0, 100.0),
+                  (-3e-8, 1e5, 100.0, 1e-2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scalars", UNHELD_SCALARS, ids=str)
+def test_scalars_the_dtype_cannot_hold(impl, dtype, scalars):
+    """The scalars are float32 numbers whatever the storage dtype: none may be converted to a
+    16-bit one on the way (torch's addmv and addr do that unless routed around)."""
+    alpha, beta, operand_scale, c_scale = scalars
+    A, B, C = operands(19, 23, 37, dtype, "NT")
+    A.mul_(operand_scale), B.mul_(operand_scale), C.mul_(c_scale)
+    check(impl, alpha, A, B, beta, C, f"alpha={alpha} beta={beta}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_rows_are_not_read(impl, dtype):
+    """A and B with rows padded by NaN to the next multiple of 8 past k = 29 and n = 53, as a
+    slice of a wider tensor makes them: a kernel that reads past a row's end gets NaN into C
+    (torch 2.13's CPU bfloat16 mm was seen to, so torch_impl copies such operands on the CPU)."""
+    m, n, k = 37, 53, 29
+
+    def padded(rows, cols):
+        buffer = torch.full((rows, cols + 8 - cols % 8), float("nan"), device=DEVICE, dtype=dtype)
+        view = buffer[:, :cols]
+        return view.copy_(torch.randn(rows, cols, device=DEVICE))
+
+    check(impl, ALPHA, padded(m, k), padded(k, n), BETA, padded(m, n), "padded rows")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strides_past_32_bits_on_unit_dims(impl):
+    """A dim of size 1 may carry any stride, 2**31 + 1 included, without any memory behind it:
+    the kernels never step along it, and cuBLAS, which refuses such a leading dimension, gets a
+    copy from torch_impl."""
+    m, n, k, huge = 1, 5, 7, 2**31 + 1
+    A = torch.randn(k, device=DEVICE).as_strided((m, k), (huge, 1))
+    B = torch.randn(k, device=DEVICE).as_strided((k, 1), (1, huge))
+    C = torch.randn(n, device=DEVICE).as_strided((m, n), (huge, 1))
+    check(impl, ALPHA, A, random_matrix(k, n, torch.float32), BETA, C, "A and C")
+    check(impl, ALPHA, random_matrix(5, k, torch.float32), B, BETA, torch.randn(5, 1), "B")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a stride of 2**31 needs 4.3 GiB behind it: GPU only")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("operand", ["A", "B", "C"])
+def test_leading_dimension_past_32_bits(impl, operand):
+    """m = n = 2: the two rows of A or C, or the two columns of B, lie 2**31 + 1 elements apart
+    in bfloat16. cuBLAS refuses that leading dimension, so torch_impl copies the operand; the
+    kernels index in 64 bits."""
+    m, n, k, huge = 2, 2, 7, 2**31 + 1
+    A, B, C = operands(m, n, k, torch.bfloat16, "NN")
+    far_apart = torch.empty(huge + k, device=DEVICE, dtype=torch.bfloat16)
+    lines = far_apart.as_strided((2, n if operand == "C" else k), (huge, 1))
+    if operand == "A":
+        A = lines.copy_(A)
+    elif operand == "B":
+        B = lines.copy_(B.T).T
+    else:
+        C = lines.copy_(C)
+    check(impl, ALPHA, A, B, BETA, C, f"{operand} lines 2**31 + 1 apart")
 
 
 def float64_gemm(alpha, A, B, beta, C, rows=1024):

@@ -55,8 +55,10 @@ SHAPES = [
 ]  # fmt: skip
 ALPHA, BETA = 0.3, -1.7  # the scalars of most tests: neither term dominates
 U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
-# Storage-dtype roundings torch may add on each term (README.md, "torch_impl.py").
-TORCH_EXTRA_ROUNDINGS = 2
+# Storage-dtype roundings torch may add on each term (README.md, "torch_impl.py"): one store of
+# alpha s_i or beta y_i before the final addition. alpha and beta reach a 16-bit addmv only when
+# the dtype holds them exactly, so their conversion rounds nothing.
+TORCH_EXTRA_ROUNDINGS = 1
 # reference.py's own error, in units of W_i = |alpha| T_i + |beta y_i| (its docstring).
 REFERENCE_ERROR = gamma(3, U64)
 
@@ -310,7 +312,7 @@ def test_both_triton_column_kernels_are_tested(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_zero_scalars_do_not_read(impl, layout, dtype):
     """beta == 0 ignores NaN in y; alpha == 0 ignores NaN in A and x (y = beta*y); both zero give
-    +0 without reading anything."""
+    +0 without reading anything. A scalar that rounds to 0 in float32 (1e-50) is a 0."""
     m, n = 70, 300
     nan_y = torch.full((m,), float("nan"), device=DEVICE, dtype=dtype)
     nan_A = random_matrix(m, n, dtype, layout).fill_(float("nan"))
@@ -319,9 +321,11 @@ def test_zero_scalars_do_not_read(impl, layout, dtype):
     check(impl, ALPHA, A, x, 0.0, nan_y.clone(), "beta = 0")
     check(impl, 0.0, nan_A, nan_x, BETA, random_vector(m, dtype), "alpha = 0")
     check(impl, 1e-50, nan_A, nan_x, BETA, random_vector(m, dtype), "alpha rounds to 0")
-    y = nan_y.clone()
-    implementation(impl)(0.0, nan_A, nan_x, 0.0, y)
-    assert_same_bits(y, torch.zeros_like(y), "alpha = beta = 0")
+    check(impl, ALPHA, A, x, 1e-50, nan_y.clone(), "beta rounds to 0")
+    for alpha, beta in ((0.0, 0.0), (1e-50, -1e-50)):
+        y = nan_y.clone()
+        implementation(impl)(alpha, nan_A, nan_x, beta, y)
+        assert_same_bits(y, torch.zeros_like(y), f"alpha = {alpha}, beta = {beta}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -399,19 +403,73 @@ def test_accumulates_in_float32(impl, layout, dtype):
     assert_same_bits(y, torch.full_like(y, 2.0))
 
 
-@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scalars_rounded_to_float32(impl, layout, dtype):
     """alpha = 1 + 2**-8 + 2**-20 and beta = 1, A = x = 1, y = -1: the kernels compute
-    alpha32 * 1 - 1 exactly in float32, so y must be alpha32 - 1 rounded once. torch on the
-    CPU rounds alpha to the 16-bit dtype first and does not pass; its bound allows for that."""
+    alpha32 * 1 - 1 exactly in float32, so y must be alpha32 - 1 rounded once. No 16-bit dtype
+    holds alpha32, so torch_impl computes on float32 copies (addmv would round alpha to the
+    dtype first)."""
     alpha = 1 + 2**-8 + 2**-20
     A = random_matrix(5, 1, dtype, layout).fill_(1.0)
     y = torch.full((5,), -1.0, device=DEVICE, dtype=dtype)
     implementation(impl)(alpha, A, torch.ones(1, device=DEVICE, dtype=dtype), 1.0, y)
     expected = torch.full((5,), reference.to_float32(alpha) - 1, dtype=torch.float64)
     assert_matches_rounded(y, expected)
+
+
+def test_held_exactly():
+    """torch_impl.held_exactly, which decides whether a 16-bit addmv may convert a scalar, on
+    the edges of each dtype, and against a round trip through torch on random float32 bits."""
+    cases = [
+        (torch.float16, 1e5, False), (torch.float16, 65504.0, True),
+        (torch.float16, 2.0**-24, True), (torch.float16, 1e-8, False),
+        (torch.float16, 0.1, False), (torch.bfloat16, 1e5, False),
+        (torch.bfloat16, 2.0**-130, True), (torch.bfloat16, 1.0, True),
+        (torch.float32, reference.to_float32(0.1), True), (torch.float32, 1e-45, True),
+    ]  # fmt: skip
+    for dtype, value, held in cases:
+        assert torch_impl.held_exactly(value, dtype) == held, (dtype, value)
+    values = torch.randint(-(2**31), 2**31, (2000,), dtype=torch.int64).int().view(torch.float32)
+    for value in values[~values.isnan()].tolist():
+        for dtype in DTYPES:
+            round_trip = torch.tensor(value).to(dtype).item() == value
+            assert torch_impl.held_exactly(value, dtype) == round_trip, (dtype, value)
+
+
+# (alpha, beta, scale of A and x, scale of y): scalars that float16 or bfloat16 cannot hold
+# (1e5 overflows float16; 1e-8 and 3e-8 are no 16-bit numbers, 1e-6 a float16 subnormal), with
+# operands scaled so that every term and result stays far inside float16's range.
+UNHELD_SCALARS = [(1e5, 1.0, 1e-2, 100.0), (1e-8, 1.0, 100.0, 1e-3), (1e-6, 3e-8, 5.0, 1e4),
+                  (-3e-8, 1e5, 300.0, 1e-6)]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scalars", UNHELD_SCALARS, ids=str)
+def test_scalars_the_dtype_cannot_hold(impl, layout, dtype, scalars):
+    """The scalars are float32 numbers whatever the storage dtype: none may be converted to a
+    16-bit one on the way (torch's addmv does that unless routed around)."""
+    alpha, beta, operand_scale, y_scale = scalars
+    m, n = 37, 300
+    A, x = random_matrix(m, n, dtype, layout).mul_(operand_scale), random_vector(n, dtype)
+    y = random_vector(m, dtype).mul_(y_scale)
+    check(impl, alpha, A, x.mul_(operand_scale), beta, y, f"alpha={alpha} beta={beta}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_torch_16_bit_addmv(layout, dtype, shape):
+    """Scalars both 16-bit dtypes hold (0.375, -1.75) keep torch_impl on the library's own
+    16-bit addmv, which ALPHA and BETA (no 16-bit numbers) route around: torch's bound, with
+    its TORCH_EXTRA_ROUNDINGS, must hold there too."""
+    m, n = shape
+    A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    assert torch_impl.held_exactly(0.375, dtype) and torch_impl.held_exactly(-1.75, dtype)
+    check("torch", 0.375, A, x, -1.75, y, layout)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -437,6 +495,32 @@ def test_disjoint_views_of_one_buffer():
     check("triton", ALPHA, A, x, BETA, y)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strides_blas_refuses(impl, dtype):
+    """Valid strides that a BLAS call refuses, so torch_impl copies such operands: y of step 0
+    with m = 1, x of step 0 with n > 1, and an A of one row (or column) whose other stride,
+    2**31 + 1, has no memory behind it."""
+    n, huge = 37, 2**31 + 1
+    A, x = random_matrix(1, n, dtype, "row"), random_vector(n, dtype)
+    check(impl, ALPHA, A, x, BETA, random_vector(1, dtype).as_strided((1,), (0,)), "y step 0")
+    broadcast_x, y = random_vector(1, dtype).expand(n), random_vector(5, dtype)
+    check(impl, ALPHA, random_matrix(5, n, dtype, "row"), broadcast_x, BETA, y, "x step 0")
+    far_rows = random_vector(n, dtype).as_strided((1, n), (huge, 1))
+    check(impl, ALPHA, far_rows, x, BETA, random_vector(1, dtype), "row stride 2**31 + 1")
+    far_columns = random_vector(n, dtype).as_strided((n, 1), (1, huge))
+    check(impl, ALPHA, far_columns, x[:1], BETA, random_vector(n, dtype), "column stride")
+
+
+def alias(t):
+    """The elements of t through a second storage that starts at t's first element, as DLPack
+    imports and numpy views make them: unless t starts its own storage, a check by storage
+    identity misses that the two share memory."""
+    other = torch.from_dlpack(t)
+    assert other.untyped_storage().data_ptr() == t.data_ptr()
+    return other
+
+
 def bad_inputs():
     """(alpha, A, x, beta, y, expected error, words the message must contain)"""
     f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
@@ -459,6 +543,14 @@ def bad_inputs():
     yield 1.0, buffer[:12].view(3, 4), x, 1.0, buffer[10:13], ValueError, "y overlaps A"
     yield 1.0, A, buffer[20:24], 1.0, buffer[23:26], ValueError, "y overlaps x"
     yield 1.0, A, x, 1.0, A[:, 1], ValueError, "y overlaps A"
+    # y through another storage over the same memory (a DLPack import) overlaps all the same
+    y_over_A, y_over_x = alias(buffer[10:13]), alias(buffer[23:26])
+    for y_alias in (y_over_A, y_over_x):
+        assert y_alias.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    yield 1.0, buffer[:12].view(3, 4), x, 1.0, y_over_A, ValueError, "y overlaps A"
+    yield 1.0, A, buffer[20:24], 1.0, y_over_x, ValueError, "y overlaps x"
+    yield 10**400, A, x, 1.0, y, ValueError, "alpha is beyond the range"
+    yield 1.0, A, x, -(10**400), y, ValueError, "beta is beyond the range"
     if ON_GPU:
         yield 1.0, A, x.cpu(), 1.0, y, ValueError, "x is on cpu"
         yield 1.0, A, x, 1.0, y.cpu(), ValueError, "y is on cpu"
@@ -477,6 +569,48 @@ def test_bad_input_raises_before_launch(impl, case):
         assert_same_bits(y.reshape(-1), before.reshape(-1), "y after a rejected call")
 
 
+def element_addresses(t):
+    """The address of every element of t, in index order, by brute force."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return (t.data_ptr() + offsets.flatten() * t.element_size()).tolist()
+
+
+def test_overlap_is_judged_by_address():
+    """reference.overlap on random 1-D and 2-D views of one buffer, some through a second
+    storage: 'none' only when no byte is shared, 'same' only for the very same elements in the
+    same order. Vectors of one step that interleave must come out 'none' at least once."""
+    buffer, generator = torch.empty(256), torch.Generator().manual_seed(12)
+
+    def randint(high, size=()):
+        return torch.randint(0, high, size, generator=generator).tolist()
+
+    def random_view():
+        ndim = 1 + randint(2)
+        shape, strides = randint(7 if ndim == 1 else 5, (ndim,)), randint(7, (ndim,))
+        view = buffer.as_strided(shape, strides, randint(40))
+        return alias(view) if view.numel() and randint(2) else view
+
+    def byte_set(t):
+        return {a + b for a in element_addresses(t) for b in range(t.element_size())}
+
+    answers, interleaved = set(), 0
+    for trial in range(3000):
+        a = random_view()
+        b = alias(a) if trial % 7 == 0 and a.numel() else random_view()
+        answer = reference.overlap(a, b)
+        assert reference.overlap(b, a) == answer
+        answers.add(answer)
+        if answer == "none":
+            assert not byte_set(a) & byte_set(b), (a.shape, a.stride(), b.shape, b.stride())
+            ranges = reference.address_range(a), reference.address_range(b)
+            interleaved += None not in ranges and max(ranges)[0] < min(ranges)[1]
+        if answer == "same":
+            assert element_addresses(a) == element_addresses(b)
+    assert answers == {"none", "same", "partial"} and interleaved > 0
+
+
 def kernel_bounds(alpha, A, x, beta, y, exact):
     """(name, bound) for every kernel's bound on this problem, CuTe's where it can be imported."""
     impls = ["triton"] + (["cute"] if cute_impl is not None else [])
@@ -486,8 +620,8 @@ def kernel_bounds(alpha, A, x, beta, y, exact):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_negative_controls(layout):
     """Each kernel's bound rejects a result that dropped or doubled one term of a row (the
-    largest), a row copied from its neighbour, and the one extra bfloat16 rounding torch makes
-    on the CPU (alpha rounded to bfloat16), which torch's own bound lets through."""
+    largest), a row copied from its neighbour, and one extra bfloat16 rounding of the alpha term
+    (alpha rounded to bfloat16, as a 16-bit addmv would), which torch's own bound lets through."""
     m, n, dtype, alpha, beta = 64, 2048, torch.bfloat16, 1 + 2**-8 + 2**-20, -1.7
     A = random_matrix(m, n, dtype, layout).cpu()
     x, y = random_vector(n, dtype).cpu(), random_vector(m, dtype).cpu()
@@ -746,6 +880,28 @@ def test_more_than_2_to_31_elements(impl, layout):
     bound = error_bound(impl, ALPHA, A, x, BETA, y, exact, gamma(n + 2, U64) + gamma(3, U64))
     implementation(impl)(ALPHA, A, x, BETA, y)
     assert_within_bound(y, exact, bound, f"{impl} {layout}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a stride of 2**31 + 1 needs 4.3 GB behind it: GPU only")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_leading_dimension_past_32_bits(impl, layout):
+    """The two rows (row-major) or two columns (column-major) of A lie 2**31 + 1 bfloat16
+    elements apart: cuBLAS refuses that leading dimension, so torch_impl copies A; the kernels
+    index in 64 bits."""
+    n, huge, dtype = 1000, 2**31 + 1, torch.bfloat16
+    buffer = torch.empty(huge + n, device=DEVICE, dtype=dtype)
+    if layout == "row":
+        A = buffer.as_strided((2, n), (huge, 1))
+    else:
+        A = buffer.as_strided((n, 2), (1, huge))
+    A.copy_(torch.randn(A.shape, device=DEVICE))
+    x, y = random_vector(A.shape[1], dtype), random_vector(A.shape[0], dtype)
+    try:
+        check(impl, ALPHA, A, x, BETA, y, f"{layout} lines 2**31 + 1 apart")
+    finally:
+        del A, buffer
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -154,9 +154,10 @@ def error_bound(impl, alpha, x, y, exact):
     fused kernels (Triton, CuTe), a_hat = fl_s(fl32(fl32(alpha32 x_i) y_j + a_ij)), FMA or not:
         r_err = u|z| + (1 + u)(gamma_2 |p| + (1 + u) e |y_j| + e)
         bound = u_s |z| + (1 + u_s) r_err + e_s
-    torch (alpha, both products and the sum each rounded to float32, then to the dtype):
-        bound = c1 |z| + (1 + c1) c3 |p| + (1 + c1)**3 e_c (|x_i y_j| + |y_j| + 2)
-        c1 = (1 + u)(1 + u_s) - 1, c3 = (1 + c1)**3 - 1, e_c = (1 + u_s) e + e_s
+    torch (both products and the sum each rounded to float32, then to the dtype; alpha32 is
+    converted to the dtype only where that is exact):
+        bound = c1 |z| + (1 + c1) c2 |p| + (1 + c1)**2 e_c (|y_j| + 2)
+        c1 = (1 + u)(1 + u_s) - 1, c2 = (1 + c1)**2 - 1, e_c = (1 + u_s) e + e_s
 
     u = 2**-24, u_s the store's unit roundoff (0 for float32), e = tiny32 u and e_s = tiny_s u_s
     the absolute errors of a rounding among the subnormals. Both get 2 u64 (|p| + |z|) more for
@@ -169,8 +170,8 @@ def error_bound(impl, alpha, x, y, exact):
     abs_p, abs_z = abs(reference.to_float32(float(alpha))) * abs_xy, exact.abs()
     if impl == "torch":
         c1 = (1 + U32) * (1 + u_s) - 1
-        c3, e_c = (1 + c1) ** 3 - 1, (1 + u_s) * e + e_s
-        computed = c1 * abs_z + (1 + c1) * c3 * abs_p + (1 + c1) ** 3 * e_c * (abs_xy + abs_y + 2)
+        c2, e_c = (1 + c1) ** 2 - 1, (1 + u_s) * e + e_s
+        computed = c1 * abs_z + (1 + c1) * c2 * abs_p + (1 + c1) ** 2 * e_c * (abs_y + 2)
     else:
         r_err = U32 * abs_z + (1 + U32) * (gamma(2, U32) * abs_p + (1 + U32) * e * abs_y + e)
         computed = u_s * abs_z + (1 + u_s) * r_err + e_s
@@ -308,10 +309,19 @@ def test_float64_stand_in_matches_reference():
         assert_same_bits(stand_in.reshape(-1), exact.reshape(-1), "the float64 stand-in")
 
 
+def alias(t):
+    """The elements of t through a second storage that starts at t's first element, as DLPack
+    imports and numpy views make them: unless t starts its own storage, a check by storage
+    identity misses that the two share memory."""
+    other = torch.from_dlpack(t)
+    assert other.untyped_storage().data_ptr() == t.data_ptr()
+    return other
+
+
 def bad_inputs():
     """(alpha, x, y, A, expected error, words the message must contain)"""
     f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
-    matrix = f32(4, 5)
+    matrix, buffer = f32(4, 5), f32(40)
     yield 1.0, [1.0, 2.0], f32(5), f32(2, 5), TypeError, "x must be a torch.Tensor"
     yield 1.0, f32(4), f32(5), matrix.tolist(), TypeError, "A must be a torch.Tensor"
     yield torch.tensor(1.0), f32(4), f32(5), f32(4, 5), TypeError, "alpha must be a real"
@@ -326,6 +336,14 @@ def bad_inputs():
     yield 1.0, f32(3), f32(3), f32(10).as_strided((3, 3), (1, 2)), ValueError, "one address"
     yield 1.0, matrix[:, 0], f32(5), matrix, ValueError, "x shares memory with A"
     yield 1.0, f32(4), matrix[1], matrix, ValueError, "y shares memory with A"
+    # x or y through another storage over the same memory (a DLPack import) overlaps all the same
+    x_over_A, y_over_A = alias(buffer[18:22]), alias(buffer[21:26])
+    for v in (x_over_A, y_over_A):
+        assert v.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    A_in_buffer = buffer[2:22].view(4, 5)
+    yield 1.0, x_over_A, f32(5), A_in_buffer, ValueError, "x shares memory with A"
+    yield 1.0, f32(4), y_over_A, A_in_buffer, ValueError, "y shares memory with A"
+    yield 10**400, f32(4), f32(5), f32(4, 5), ValueError, "alpha is beyond the range"
     if ON_GPU:
         yield 1.0, f32(4), torch.randn(5), f32(4, 5), ValueError, "y is on cpu"
 
@@ -344,10 +362,123 @@ def test_bad_input_raises_before_launch(impl, case):
         assert_same_bits(A.reshape(-1), before.reshape(-1), "A after a rejected call")
 
 
+def element_addresses(t):
+    """The address of every element of t, in index order, by brute force."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return (t.data_ptr() + offsets.flatten() * t.element_size()).tolist()
+
+
+def test_elements_collide_is_exact():
+    """The gcd rule agrees with a search of every pair of indices, for every shape up to 5 x 5
+    and every pair of strides up to 6."""
+    storage = torch.empty(64)
+    for m, n, s, t in np.ndindex(6, 6, 7, 7):
+        A = storage.as_strided((m, n), (s, t))
+        addresses = element_addresses(A)
+        assert reference.elements_collide(A) == (len(set(addresses)) < len(addresses)), (m, n, s, t)
+
+
+def test_overlap_is_judged_by_address():
+    """reference.overlap on random 1-D and 2-D views of one buffer, some through a second
+    storage: 'none' only when no byte is shared, 'same' only for the very same elements in the
+    same order. Vectors of one step that interleave must come out 'none' at least once."""
+    buffer, generator = torch.empty(256), torch.Generator().manual_seed(12)
+
+    def randint(high, size=()):
+        return torch.randint(0, high, size, generator=generator).tolist()
+
+    def random_view():
+        ndim = 1 + randint(2)
+        shape, strides = randint(7 if ndim == 1 else 5, (ndim,)), randint(7, (ndim,))
+        view = buffer.as_strided(shape, strides, randint(40))
+        return alias(view) if view.numel() and randint(2) else view
+
+    def byte_set(t):
+        return {a + b for a in element_addresses(t) for b in range(t.element_size())}
+
+    answers, interleaved = set(), 0
+    for trial in range(3000):
+        a = random_view()
+        b = alias(a) if trial % 7 == 0 and a.numel() else random_view()
+        answer = reference.overlap(a, b)
+        assert reference.overlap(b, a) == answer
+        answers.add(answer)
+        if answer == "none":
+            assert not byte_set(a) & byte_set(b), (a.shape, a.stride(), b.shape, b.stride())
+            ranges = reference.address_range(a), reference.address_range(b)
+            interleaved += None not in ranges and max(ranges)[0] < min(ranges)[1]
+        if answer == "same":
+            assert element_addresses(a) == element_addresses(b)
+    assert answers == {"none", "same", "partial"} and interleaved > 0
+
+
+def test_held_exactly():
+    """torch_impl.held_exactly, which decides whether a 16-bit addr may convert alpha, on the
+    edges of each dtype, and against a round trip through torch on random float32 bits."""
+    cases = [
+        (torch.float16, 1e5, False), (torch.float16, 65504.0, True),
+        (torch.float16, 2.0**-24, True), (torch.float16, 1e-8, False),
+        (torch.float16, 0.1, False), (torch.bfloat16, 1e5, False),
+        (torch.bfloat16, 2.0**-130, True), (torch.bfloat16, 1.0, True),
+        (torch.float32, reference.to_float32(0.1), True), (torch.float32, 1e-45, True),
+    ]  # fmt: skip
+    for dtype, value, held in cases:
+        assert torch_impl.held_exactly(value, dtype) == held, (dtype, value)
+    values = torch.randint(-(2**31), 2**31, (2000,), dtype=torch.int64).int().view(torch.float32)
+    for value in values[~values.isnan()].tolist():
+        for dtype in DTYPES:
+            round_trip = torch.tensor(value).to(dtype).item() == value
+            assert torch_impl.held_exactly(value, dtype) == round_trip, (dtype, value)
+
+
+# (alpha, scale of x and y, scale of A): alphas that float16 or bfloat16 cannot hold (1e5
+# overflows float16; 1e-8 and 3e-8 are no 16-bit numbers, 1e-6 a float16 subnormal), with
+# operands scaled so that every term and result stays far inside float16's range.
+UNHELD_ALPHAS = [(1e5, 1e-2, 10.0), (1e-8, 1e3, 1e-2), (1e-6, 100.0, 1e-2), (-3e-8, 1e3, 1e-2)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["row", "col"])
+@pytest.mark.parametrize("scaled", UNHELD_ALPHAS, ids=str)
+def test_alpha_the_dtype_cannot_hold(impl, dtype, layout, scaled):
+    """alpha is a float32 number whatever the storage dtype: it may not be converted to a 16-bit
+    one on the way (torch's addr does that unless routed around)."""
+    alpha, vector_scale, matrix_scale = scaled
+    m, n = 37, 300
+    buffer, A, outside = matrix_in_guard(m, n, dtype, layout)
+    A.mul_(matrix_scale)
+    x, y = random_vector(m, dtype).mul_(vector_scale), random_vector(n, dtype).mul_(vector_scale)
+    check(impl, alpha, x, y, buffer, A, outside)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strides_blas_refuses(impl, dtype):
+    """Valid strides that BLAS's ger refuses (torch's addr is no BLAS call, but every
+    implementation must take them): x of step 0 with m = 1, y of step 0 with n > 1, and an A of
+    one row (or column) whose other stride, 2**31 + 1, has no memory behind it."""
+    n, huge = 37, 2**31 + 1
+    x = random_vector(1, dtype).as_strided((1,), (0,))
+    check(impl, 0.3, x, random_vector(n, dtype), *matrix_in_guard(1, n, dtype, "row"))
+    check(impl, 0.3, random_vector(5, dtype), random_vector(n, dtype, step=0),
+          *matrix_in_guard(5, n, dtype, "row"))  # fmt: skip
+    for shape, strides in (((1, n), (huge, 1)), ((n, 1), (1, huge))):
+        buffer = torch.full((2 * MARGIN + n,), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer.as_strided(shape, strides, MARGIN).copy_(torch.randn(shape, device=DEVICE))
+        outside = torch.ones(buffer.shape, dtype=torch.bool, device=DEVICE)
+        outside[MARGIN : MARGIN + n] = False
+        x, y = random_vector(shape[0], dtype), random_vector(shape[1], dtype)
+        check(impl, 0.3, x, y, buffer, A, outside)
+
+
 def test_negative_controls():
     """The fused bound rejects an element updated with its neighbour's y_j, or updated twice, and
-    it is tight enough to reject torch's extra roundings to bfloat16, which pass torch's bound."""
-    m, n, alpha = 64, 200, 0.3
+    it is tight enough to reject torch's extra roundings to bfloat16, which pass torch's bound.
+    alpha = 0.375 is a bfloat16 number, so torch_impl takes addr's 16-bit evaluation."""
+    m, n, alpha = 64, 200, 0.375
     dtype = torch.bfloat16
     A, x, y = torch.randn(m, n).to(dtype), torch.randn(m).to(dtype), torch.randn(n).to(dtype)
     alpha32, (i, j) = reference.to_float32(alpha), (10, 20)
@@ -365,9 +496,9 @@ def test_negative_controls():
     for wrong in (neighbour, twice):
         with pytest.raises(AssertionError, match="outside the bound"):
             assert_within_bound(wrong, exact, fused_bound)
-    # torch's evaluation: alpha, alpha*x_i, (alpha*x_i)*y_j and the sum each rounded to bf16.
-    alpha_s = torch.tensor(alpha32).to(dtype).float()
-    alpha_x = (alpha_s * x.float()).to(dtype).float()
+    # torch's evaluation: alpha*x_i, (alpha*x_i)*y_j and the sum each rounded to bf16.
+    assert torch_impl.held_exactly(alpha32, dtype)
+    alpha_x = (alpha32 * x.float()).to(dtype).float()
     product = (alpha_x[:, None] * y.float()[None, :]).to(dtype).float()
     rounded_each_time = (A.float() + product).to(dtype)
     with pytest.raises(AssertionError, match="outside the bound"):
@@ -398,6 +529,32 @@ def test_more_than_2_to_31_elements(impl, layout):
         bound = error_bound(impl, alpha, x[rows], y, exact)
         if not ((A[rows].double() - exact).abs() <= bound).all():
             assert_within_bound(A[rows], exact, bound, f"{impl} rows {start}..")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a stride of 2**31 + 1 needs 4.3 GB behind it: GPU only")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_leading_dimension_past_32_bits(impl, layout):
+    """The two rows (row-major) or two columns (column-major) of A lie 2**31 + 1 bfloat16
+    elements apart, with NaN between and after them: the kernels index in 64 bits, and write
+    nothing next to either line."""
+    n, huge, dtype = 1000, 2**31 + 1, torch.bfloat16
+    buffer = torch.full((huge + n + MARGIN,), float("nan"), device=DEVICE, dtype=dtype)
+    if layout == "row":
+        A = buffer.as_strided((2, n), (huge, 1))
+    else:
+        A = buffer.as_strided((n, 2), (1, huge))
+    A.copy_(torch.randn(A.shape, device=DEVICE))
+    x, y = random_vector(A.shape[0], dtype), random_vector(A.shape[1], dtype)
+    exact = reference.geru(0.3, x.cpu(), y.cpu(), A.cpu())
+    try:
+        assert implementation(impl)(0.3, x, y, A) is A
+        assert_within_bound(A, exact, error_bound(impl, 0.3, x, y, exact), f"{impl} {layout}")
+        for guard in (buffer[n : n + MARGIN], buffer[huge - MARGIN : huge], buffer[huge + n :]):
+            assert guard.isnan().all(), "an element next to A's lines was written"
+    finally:
+        del A, buffer
+        torch.cuda.empty_cache()
 
 
 TRITON_BUILDS = [

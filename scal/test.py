@@ -128,13 +128,30 @@ def test_special_values_and_repeatability(impl, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_alpha_zero_does_not_read_y(impl, dtype):
+@pytest.mark.parametrize("alpha", [0.0, 1e-50, -1e-46])
+def test_alpha_zero_does_not_read_y(impl, dtype, alpha):
+    """alpha32 == 0 writes +0 without reading y: alpha 0, or one that rounds to 0 (or -0) in
+    float32."""
     scal = implementation(impl)
     y = random_vector(5000, dtype)
     y[::3] = float("nan")
     y[1::3] = float("inf")
-    scal(0.0, y)
-    assert_same_bits(y, torch.zeros_like(y))
+    expected = reference.scal(alpha, y.cpu())
+    scal(alpha, y)
+    assert_matches_rounded(y, expected)  # +0 everywhere
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha, scale", [(1e5, 1e-2), (1e-8, 1e4), (3e-8, 1e4), (-1e-6, 1e3)])
+def test_alpha_a_16_bit_type_cannot_hold(impl, dtype, alpha, scale):
+    """alphas float16 cannot hold (1e5 overflows it, the others are subnormal or 0 there), on
+    y scaled so the results stay inside its range: still float32's alpha, bit for bit."""
+    scal = implementation(impl)
+    y = (random_vector(4097, torch.float32) * scale).to(dtype)
+    expected = reference.scal(alpha, y.cpu())
+    scal(alpha, y)
+    assert_matches_rounded(y, expected, f"alpha={alpha}")
 
 
 def bad_inputs():
@@ -143,6 +160,7 @@ def bad_inputs():
     yield 2.0, [1.0, 2.0], TypeError, "y must be a torch.Tensor"
     yield torch.tensor(2.0), f32, TypeError, "alpha must be a real"
     yield 1j, f32, TypeError, "alpha must be a real"
+    yield 10**400, f32, ValueError, "alpha is beyond the range"
     yield 2.0, f32.reshape(2, 2), ValueError, "y must be a 1-D"
     yield 2.0, f32.double(), TypeError, "supported"
     yield 2.0, f32.to(torch.int32), TypeError, "supported"
