@@ -689,8 +689,9 @@ def test_strides_past_32_bits_on_unit_dims(impl):
     A = torch.randn(k, device=DEVICE).as_strided((m, k), (huge, 1))
     B = torch.randn(k, device=DEVICE).as_strided((k, 1), (1, huge))
     C = torch.randn(n, device=DEVICE).as_strided((m, n), (huge, 1))
-    check(impl, ALPHA, A, random_matrix(k, n, torch.float32), BETA, C, "A and C")
-    check(impl, ALPHA, random_matrix(5, k, torch.float32), B, BETA, torch.randn(5, 1), "B")
+    f32 = lambda *shape: random_matrix(*shape, torch.float32)  # noqa: E731
+    check(impl, ALPHA, A, f32(k, n), BETA, C, "A and C")
+    check(impl, ALPHA, f32(5, k), B, BETA, f32(5, 1), "B")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a stride of 2**31 needs 4.3 GiB behind it: GPU only")
