@@ -216,6 +216,29 @@ def test_negative_control():
         assert_same_bits(wrong, x)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss."""
+    copy = implementation(impl)
+    x = random_vector(4099, dtype)
+    eager, replayed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    copy(x, replayed)  # the first call compiles and loads the kernel, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy(x, replayed)
+    x.copy_(random_vector(4099, dtype))
+    replayed.fill_(float("nan"))
+    graph.replay()
+    copy(x, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(replayed, eager)
+    assert_same_bits(eager, x)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (8 GiB of data)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_more_than_2_to_31_elements(impl):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference import check_operands, overlap
+from reference import check_operands
 
 # 4 KiB per operand per program over 8 warps: one 16-byte vector per thread. Measured on the
 # H200 at n = 2**28: 4 KiB programs beat 16 KiB ones by 4-5% (4.26 against 4.06 TB/s for copy),
@@ -34,11 +34,19 @@ def copy_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs * stride_y, x, mask=in_bounds)
 
 
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def on_device_of(t):
-    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
+    current when it is another one (entering torch.cuda.device costs more than a launch's own
+    Python, so only then); the CPU serves when Triton runs as an interpreter."""
     if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
         return torch.cuda.device(t.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return contextlib.nullcontext()
     raise ValueError(
         f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
@@ -49,10 +57,12 @@ def copy(x, y):
     check_operands(x, y)
     device = on_device_of(x)
     n = x.numel()
-    if n == 0 or overlap(x, y) == "same":
+    # check_operands let through disjoint or identical views only, so one start means identical.
+    if n == 0 or x.data_ptr() == y.data_ptr():
         return y
     block = BLOCK_BYTES // x.element_size()
-    grid = (triton.cdiv(n, block),)
     with device:
-        copy_kernel[grid](x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=NUM_WARPS)
+        copy_kernel[(triton.cdiv(n, block),)](
+            x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=NUM_WARPS
+        )
     return y
