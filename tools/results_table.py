@@ -64,10 +64,72 @@ def size_of(shape):
     return " x ".join(map(str, shape))
 
 
+def timed_rows(results):
+    """Rows of a timed size; the per-call rows carry host_us and no time of their own."""
+    return [row for row in results["rows"] if row.get("ms") is not None]
+
+
 def largest_rows(results):
-    largest = max(math.prod(row["shape"]) for row in results["rows"])
-    rows = [row for row in results["rows"] if math.prod(row["shape"]) == largest]
+    largest = max(math.prod(row["shape"]) for row in timed_rows(results))
+    rows = [row for row in timed_rows(results) if math.prod(row["shape"]) == largest]
     return rows, size_of(rows[0]["shape"])
+
+
+# The sizes a model calls (issue 13): vectors of 2**20 and 2**24, matrices of 4096^2 and 8192^2.
+MODEL_SIZES = {(2**20,), (2**24,), (4096, 4096), (8192, 8192)}
+
+
+def model_size_table(results):
+    """Time and speed against the library op at the sizes a model calls, one line per case."""
+    rows = [row for row in timed_rows(results) if tuple(row["shape"]) in MODEL_SIZES]
+    if not rows:
+        return []
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    lines = [
+        "",
+        "At the sizes a model calls, time in us (x the library op's speed):",
+        "",
+        "| dtype | size | " + " | ".join(impls) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in impls) + " |",
+    ]
+    cases = dict.fromkeys((r["dtype"], tuple(r["shape"]), r.get("layout")) for r in rows)
+    for dtype, shape, layout in cases:
+        of_case = {
+            r["impl"]: r
+            for r in rows
+            if (r["dtype"], tuple(r["shape"]), r.get("layout")) == (dtype, shape, layout)
+        }
+        size = size_of(shape) + (f", {layout}-major" if layout else "")
+        cells = [
+            f"{of_case[i]['ms'] * 1e3:.1f} (x{of_case[i]['vs_library']:.2f})"
+            if i in of_case
+            else ""
+            for i in impls
+        ]
+        lines.append(f"| {dtype} | {size} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def per_call_table(results):
+    """Host microseconds per call at a tiny size, beside the run's floors."""
+    rows = [row for row in results["rows"] if row.get("ms") is None and "host_us" in row]
+    if not rows:
+        return []
+    ceilings = results["ceilings"]
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    lines = [
+        "",
+        f"Per call at {size_of(rows[0]['shape'])} (wall time of back-to-back calls, us); floors "
+        f"of the same run: torch `y.copy_(x)` {ceilings['torch_call_us']:.1f} us, a bare Triton "
+        f"launch {ceilings['triton_launch_us']:.1f} us.",
+        "",
+        "| dtype | " + " | ".join(impls) + " |",
+        "| --- | " + " | ".join("---" for _ in impls) + " |",
+    ]
+    for dtype in dict.fromkeys(row["dtype"] for row in rows):
+        host = {r["impl"]: r["host_us"] for r in rows if r["dtype"] == dtype}
+        lines.append(f"| {dtype} | " + " | ".join(f"{host.get(i, 0):.1f}" for i in impls) + " |")
+    return lines
 
 
 def is_compute_bound(results):
@@ -83,15 +145,17 @@ def compute_table(results):
         f"{results['device']}; bf16 matmul ceiling (torch.matmul, bfloat16 8192^3) measured in "
         f"the same run: {ceiling:.0f} TFLOP/s. TFLOP/s (% of cuBLAS, % of the ceiling).",
         "",
-        "| dtype | m x n x k | cuBLAS | Triton | CuTe |",
-        "| --- | --- | --- | --- | --- |",
+        "| dtype | m x n x k | layout | cuBLAS | Triton | CuTe |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    cases = dict.fromkeys((row["dtype"], tuple(row["shape"])) for row in results["rows"])
-    for dtype, shape in cases:
+    cases = dict.fromkeys(
+        (row["dtype"], tuple(row["shape"]), row.get("layout")) for row in timed_rows(results)
+    )
+    for dtype, shape, layout in cases:
         rate = {
             r["impl"]: r
-            for r in results["rows"]
-            if (r["dtype"], tuple(r["shape"])) == (dtype, shape)
+            for r in timed_rows(results)
+            if (r["dtype"], tuple(r["shape"]), r.get("layout")) == (dtype, shape, layout)
         }
         cells = []
         for impl in ("triton", "cute"):
@@ -102,10 +166,10 @@ def compute_table(results):
                 else ""
             )
         lines.append(
-            f"| {dtype} | {' x '.join(map(str, shape))} | {rate['library']['TFLOPs']:.1f} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {dtype} | {' x '.join(map(str, shape))} | {layout or 'NN'} | "
+            f"{rate['library']['TFLOPs']:.1f} | " + " | ".join(cells) + " |"
         )
+    lines += per_call_table(results)
     lines += ["", "![TFLOP/s per shape](perf.png)"]
     return "\n".join(lines)
 
@@ -131,6 +195,7 @@ def folder_table(results):
             + f" {row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | "
             f"{row['pct_of_ceiling']:.1f} | {row['vs_library']:.2f} |"
         )
+    lines += model_size_table(results) + per_call_table(results)
     lines += ["", "![GB/s against n](perf.png)"]
     return "\n".join(lines)
 
@@ -149,12 +214,12 @@ def summary(results):
     for gemm their % of cuBLAS at 8192^3."""
     if is_compute_bound(results):
         parts = []
-        for dtype in dict.fromkeys(row["dtype"] for row in results["rows"]):
+        for dtype in dict.fromkeys(row["dtype"] for row in timed_rows(results)):
             shape = [4096] * 3 if dtype == "float32" else [8192] * 3
             pct = {
                 r["impl"]: 100 * r["vs_library"]
-                for r in results["rows"]
-                if r["dtype"] == dtype and r["shape"] == shape
+                for r in timed_rows(results)
+                if r["dtype"] == dtype and r["shape"] == shape and r.get("layout", "NN") == "NN"
             }
             kernels = [f"{impl} {pct[impl]:.0f}%" for impl in ("triton", "cute") if impl in pct]
             parts.append(f"{dtype} {shape[0]}^3: " + ", ".join(kernels))
