@@ -144,35 +144,23 @@ def axpby_kernel(
         axpby_tile(thread_copy, x_tile, y_tile, alpha, beta, read_x, read_y, in_bounds)
 
 
-def vector_layout(n, stride, vector_elems):
-    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
-    compile-time constant 1 (the stride argument is ignored): only a stride known when
-    compiling lets the compiler merge adjacent elements into one 128-bit access."""
-    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
-
-
 @cute.jit
 def launch_axpby(
-    x_address: cutlass.Int64,
-    y_address: cutlass.Int64,
-    n: cutlass.Int64,
-    x_stride: cutlass.Int64,
-    y_stride: cutlass.Int64,
+    x: cute.Tensor,
+    y: cute.Tensor,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     vector_elems: cutlass.Constexpr[int],
     read_x: cutlass.Constexpr[bool],
     read_y: cutlass.Constexpr[bool],
 ):
-    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
-    # 16 bytes for a vector build, one element otherwise.
-    align = dtype.width // 8 * vector_elems
-    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
-    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
-    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+    # x and y arrive as torch tensors through TVM-FFI, with the layouts they were compiled for
+    # (`placeholder`): a vector build knows the stride 1 and a 16-byte aligned start when it
+    # compiles, which lets it merge adjacent elements into one 128-bit access.
+    dtype = y.element_type
+    # n from cute.size, a 64-bit product: CuTe DSL 4.8.1 reads y.shape[0] back as 32 bits.
+    n = cutlass.Int64(cute.size(y))
 
     # The TV layout: thread_layout sets the threads side by side, value_layout gives each
     # of them vector_elems adjacent elements. The tiled copy repeats this row of vectors
@@ -202,18 +190,38 @@ def launch_axpby(
     )
 
 
+def placeholder(dtype, length, vector_elems):
+    """What cute.compile sees of a vector operand: its dtype, a 64-bit symbolic length, and
+    either the constant stride 1 on a 16-byte boundary (a vector build) or a 64-bit symbolic
+    stride on an element boundary. The compiled function checks each call's tensors against
+    it (dtype, device, alignment, stride) and raises rather than run on a mismatch."""
+    stride = 1 if vector_elems > 1 else cute.sym_int64()
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (length,), stride=(stride,),
+        assumed_align=dtype.itemsize * vector_elems,
+    )  # fmt: skip
+
+
 def elements_per_access(dtype, vector_friendly):
     """16 // element size for the vector build, 1 for the any-stride build."""
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
 def build(dtype, vector_elems, read_x, read_y, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on torch tensors and Python floats, on the
+    stream torch has current for their device. x and y share one symbolic length: each call
+    checks they match. An x that is not read (read_x False) is compiled as any stride on any
+    element boundary, so the call accepts whatever x the caller passes (BLAS: not read)."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    length = cute.sym_int64()
     return cute.compile(
-        launch_axpby, 0, 0, 1, 1, 1, 1.0, 1.0, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, read_x, read_y, options=options,
+        launch_axpby,
+        placeholder(dtype, length, vector_elems if read_x else 1),
+        placeholder(dtype, length, vector_elems),
+        cutlass.Float32(1.0), cutlass.Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), vector_elems, read_x, read_y,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -221,8 +229,10 @@ def build(dtype, vector_elems, read_x, read_y, options=""):
 def compile_kernel(dtype, vector_elems, read_x, read_y):
     """The compiled axpby for torch `dtype` moving `vector_elems` elements per access and
     loading x only if read_x (alpha != 0), y only if read_y (beta != 0); built once (a
-    fraction of a second) and cached. Compiling needs no GPU."""
-    return build(dtype, vector_elems, read_x, read_y)
+    fraction of a second) and cached. Compiling needs no GPU. What is cached is the TVM-FFI
+    function itself, which takes torch tensors and Python floats and checks the tensors
+    against its build."""
+    return build(dtype, vector_elems, read_x, read_y).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, contiguous, read_x=True, read_y=True):
@@ -242,19 +252,16 @@ def is_vector_friendly(t):
 def axpby(alpha, x, beta, y):
     """y = alpha*x + beta*y for 1-D CUDA vectors of one dtype, in float32; returns y."""
     check_operands(alpha, x, beta, y)
-    if y.device.type != "cuda":
+    if not y.is_cuda:
         raise ValueError(f"x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
-    n = y.numel()
-    if n == 0:
+    if y.numel() == 0:
         return y
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     read_x, read_y = alpha32 != 0.0, beta32 != 0.0
-    vector_friendly = is_vector_friendly(y) and (is_vector_friendly(x) or not read_x)
+    vector_friendly = is_vector_friendly(y) and (not read_x or is_vector_friendly(x))
     vector_elems = elements_per_access(y.dtype, vector_friendly)
-    # Launch on torch's current stream: ordered with the caller's torch work, capturable by a
-    # CUDA graph (call once before capturing: the first call loads the compiled module).
-    compile_kernel(y.dtype, vector_elems, read_x, read_y)(
-        x.data_ptr(), y.data_ptr(), n, x.stride(0), y.stride(0), alpha32, beta32,
-        cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
-    )  # fmt: skip
+    # TVM-FFI launches on torch's current stream: ordered with the caller's torch work and
+    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
+    # alpha32 and beta32 are float32 values already, so TVM-FFI's conversion is exact.
+    compile_kernel(y.dtype, vector_elems, read_x, read_y)(x, y, alpha32, beta32)
     return y

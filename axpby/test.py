@@ -163,6 +163,19 @@ def test_zero_scalars_do_not_read(impl, dtype, zero):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["broadcast", "off the 16-byte grid", "strided"])
+def test_x_not_read_may_have_any_layout(impl, dtype, layout):
+    """alpha == 0 with y contiguous and aligned: x is not read, so an x no vector build could
+    load (step 0, a start off the 16-byte grid, a step of 3) does not stop the fast path."""
+    n = 4097
+    nan = torch.full((3 * n + 1,), float("nan"), device=DEVICE, dtype=dtype)
+    views = {"broadcast": nan[:1].expand(n), "off the 16-byte grid": nan[1 : n + 1]}
+    views["strided"] = nan[: 3 * n : 3]
+    check(impl, 0.0, views[layout], -1.7, random_vector(n, dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "alpha, x_scale, beta, y_scale",
     [
@@ -297,6 +310,30 @@ def test_negative_controls():
     rounded_twice = (reference.to_float32(alpha) * x.float() + beta_y_stored).bfloat16()
     with pytest.raises(AssertionError, match="outside the bound"):
         assert_within_bound(rounded_twice, exact, fused_bound)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha, beta", [(0.3, -1.7), (0.0, -1.7), (0.3, 0.0)])
+def test_cuda_graph_replays_the_eager_call(impl, dtype, alpha, beta):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss. The zero scalars capture the builds that
+    leave x or y unread."""
+    axpby = implementation(impl)
+    x, y = random_vector(4099, dtype), random_vector(4099, dtype)
+    axpby(alpha, x, beta, y)  # the first call compiles and loads the kernel, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        axpby(alpha, x, beta, y)
+    x.copy_(random_vector(4099, dtype))
+    y.copy_(random_vector(4099, dtype))
+    eager = y.clone()
+    graph.replay()
+    axpby(alpha, x, beta, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(y, eager)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (12 GiB with the reference)")

@@ -113,29 +113,20 @@ def scal_kernel(
         scale_tile(thread_copy, y_tile, alpha, read_y, in_bounds)
 
 
-def vector_layout(n, stride, vector_elems):
-    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
-    compile-time constant 1 (the stride argument is ignored): only a stride known when
-    compiling lets the compiler merge adjacent elements into one 128-bit access."""
-    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
-
-
 @cute.jit
 def launch_scal(
-    y_address: cutlass.Int64,
-    n: cutlass.Int64,
-    y_stride: cutlass.Int64,
+    y: cute.Tensor,
     alpha: cutlass.Float32,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     vector_elems: cutlass.Constexpr[int],
     read_y: cutlass.Constexpr[bool],
 ):
-    # The raw address becomes a typed pointer. The alignment is a promise the caller checked:
-    # 16 bytes for a vector build, one element otherwise.
-    align = dtype.width // 8 * vector_elems
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
-    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+    # y arrives as a torch tensor through TVM-FFI, with the layout it was compiled for
+    # (`placeholder`): a vector build knows the stride 1 and a 16-byte aligned start when it
+    # compiles, which lets it merge adjacent elements into one 128-bit access.
+    dtype = y.element_type
+    # n from cute.size, a 64-bit product: CuTe DSL 4.8.1 reads y.shape[0] back as 32 bits.
+    n = cutlass.Int64(cute.size(y))
 
     # The TV layout: thread_layout sets the threads side by side, value_layout gives each
     # of them vector_elems adjacent elements. The tiled copy repeats this row of vectors
@@ -162,18 +153,33 @@ def launch_scal(
     )
 
 
+def placeholder(dtype, length, vector_elems):
+    """What cute.compile sees of a vector operand: its dtype, a 64-bit symbolic length, and
+    either the constant stride 1 on a 16-byte boundary (a vector build) or a 64-bit symbolic
+    stride on an element boundary. The compiled function checks each call's tensor against
+    it (dtype, device, alignment, stride) and raises rather than run on a mismatch."""
+    stride = 1 if vector_elems > 1 else cute.sym_int64()
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (length,), stride=(stride,),
+        assumed_align=dtype.itemsize * vector_elems,
+    )  # fmt: skip
+
+
 def elements_per_access(dtype, vector_friendly):
     """16 // element size for the vector build, 1 for the any-stride build."""
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
 def build(dtype, vector_elems, read_y, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on a torch tensor and a Python float, on the
+    stream torch has current for the tensor's device."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
     return cute.compile(
-        launch_scal, 0, 1, 1, 1.0, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, read_y, options=options,
+        launch_scal,
+        placeholder(dtype, cute.sym_int64(), vector_elems), cutlass.Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), vector_elems, read_y,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -181,8 +187,9 @@ def build(dtype, vector_elems, read_y, options=""):
 def compile_kernel(dtype, vector_elems, read_y):
     """The compiled scal for torch `dtype` moving `vector_elems` elements per access, reading y
     or (read_y=False, for alpha == 0) only writing zeros; built once (a fraction of a second)
-    and cached. Compiling needs no GPU."""
-    return build(dtype, vector_elems, read_y)
+    and cached. Compiling needs no GPU. What is cached is the TVM-FFI function itself, which
+    takes a torch tensor and a Python float and checks the tensor against its build."""
+    return build(dtype, vector_elems, read_y).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, contiguous, read_y=True):
@@ -201,17 +208,14 @@ def is_vector_friendly(t):
 def scal(alpha, y):
     """y = alpha * y for a 1-D CUDA vector, in float32 arithmetic; returns y."""
     check_operands(alpha, y)
-    if y.device.type != "cuda":
+    if not y.is_cuda:
         raise ValueError(f"y is on {y.device}; the CuTe kernel needs CUDA tensors")
-    n = y.numel()
-    if n == 0:
+    if y.numel() == 0:
         return y
     alpha32 = to_float32(float(alpha))
     vector_elems = elements_per_access(y.dtype, is_vector_friendly(y))
-    # Launch on torch's current stream: ordered with the caller's torch work, capturable by a
-    # CUDA graph (call once before capturing: the first call loads the compiled module).
-    compile_kernel(y.dtype, vector_elems, alpha32 != 0.0)(
-        y.data_ptr(), n, y.stride(0), alpha32,
-        cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
-    )  # fmt: skip
+    # TVM-FFI launches on torch's current stream: ordered with the caller's torch work and
+    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
+    # alpha32 is a float32 value already, so TVM-FFI's conversion of the float is exact.
+    compile_kernel(y.dtype, vector_elems, alpha32 != 0.0)(y, alpha32)
     return y

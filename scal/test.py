@@ -201,6 +201,28 @@ def test_negative_control():
         assert_matches_rounded(neighbour, expected)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha", [-0.7, 0.0])
+def test_cuda_graph_replays_the_eager_call(impl, dtype, alpha):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss. alpha 0 captures the build that reads no y."""
+    scal = implementation(impl)
+    y = random_vector(4099, dtype)
+    scal(alpha, y)  # the first call compiles and loads the kernel, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scal(alpha, y)
+    y.copy_(random_vector(4099, dtype))
+    eager = y.clone()
+    graph.replay()
+    scal(alpha, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(y, eager)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (4 GiB of data)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_more_than_2_to_31_elements(impl):

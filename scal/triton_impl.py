@@ -37,11 +37,19 @@ def scal_kernel(y_ptr, n, stride_y, alpha, ALPHA_IS_ZERO: tl.constexpr, BLOCK: t
     tl.store(y_ptrs, scaled.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def on_device_of(t):
-    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
+    current when it is another one (entering torch.cuda.device costs more than a launch's own
+    Python, so only then); the CPU serves when Triton runs as an interpreter."""
     if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
         return torch.cuda.device(t.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return contextlib.nullcontext()
     raise ValueError(
         f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
@@ -56,15 +64,11 @@ def scal(alpha, y):
         return y
     alpha32 = to_float32(float(alpha))  # a value that rounds to 0 in float32 is a zero
     block = BLOCK_BYTES // y.element_size()
-    grid = (triton.cdiv(n, block),)
     with device:
-        scal_kernel[grid](
-            y,
-            n,
-            y.stride(0),
-            alpha32,
-            ALPHA_IS_ZERO=alpha32 == 0.0,
-            BLOCK=block,
-            num_warps=NUM_WARPS,
-        )
+        # ceil(n / block) programs, in plain integers: triton.cdiv is a constexpr function that
+        # costs about 2 us a call on the host.
+        scal_kernel[((n + block - 1) // block,)](
+            y, n, y.stride(0), alpha32,
+            ALPHA_IS_ZERO=alpha32 == 0.0, BLOCK=block, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return y

@@ -37,7 +37,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from reference import check_operands, overlap
+from reference import check_operands
 
 # Four warps per block.
 THREADS_PER_BLOCK = 128
@@ -127,31 +127,16 @@ def swap_kernel(
         swap_tail(thread_copy, x_tile, y_tile, in_bounds_mask(thread_copy, coord_tile, n))
 
 
-def vector_layout(n, stride, vector_elems):
-    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
-    compile-time constant 1 (the stride argument is ignored): only a stride known when
-    compiling lets the compiler merge adjacent elements into one 128-bit access."""
-    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
-
-
 @cute.jit
 def launch_swap(
-    x_address: cutlass.Int64,
-    y_address: cutlass.Int64,
-    n: cutlass.Int64,
-    x_stride: cutlass.Int64,
-    y_stride: cutlass.Int64,
-    stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
-    vector_elems: cutlass.Constexpr[int],
+    x: cute.Tensor, y: cute.Tensor, stream: cuda.CUstream, vector_elems: cutlass.Constexpr[int]
 ):
-    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
-    # 16 bytes for a vector build, one element otherwise.
-    align = dtype.width // 8 * vector_elems
-    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
-    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
-    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
+    # x and y arrive as torch tensors through TVM-FFI, with the layouts they were compiled for
+    # (`placeholder`): a vector build knows the stride 1 and a 16-byte aligned start when it
+    # compiles, which lets it merge adjacent elements into one 128-bit access.
+    dtype = x.element_type
+    # n from cute.size, a 64-bit product: CuTe DSL 4.8.1 reads x.shape[0] back as 32 bits.
+    n = cutlass.Int64(cute.size(x))
 
     # The TV layout: thread_layout sets the threads side by side, value_layout gives each
     # of them vector_elems adjacent elements. The tiled copy repeats this row of vectors
@@ -178,26 +163,43 @@ def launch_swap(
     )
 
 
+def placeholder(dtype, length, vector_elems):
+    """What cute.compile sees of a vector operand: its dtype, a 64-bit symbolic length, and
+    either the constant stride 1 on a 16-byte boundary (a vector build) or a 64-bit symbolic
+    stride on an element boundary. The compiled function checks each call's tensors against
+    it (dtype, device, alignment, stride) and raises rather than run on a mismatch."""
+    stride = 1 if vector_elems > 1 else cute.sym_int64()
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (length,), stride=(stride,),
+        assumed_align=dtype.itemsize * vector_elems,
+    )  # fmt: skip
+
+
 def elements_per_access(dtype, vector_friendly):
     """16 // element size for the vector build, 1 for the any-stride build."""
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
 def build(dtype, vector_elems, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on torch tensors, on the stream torch has
+    current for their device. x and y share one symbolic length: each call checks they match."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    length = cute.sym_int64()
     return cute.compile(
-        launch_swap, 0, 0, 1, 1, 1, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, options=options,
+        launch_swap,
+        placeholder(dtype, length, vector_elems), placeholder(dtype, length, vector_elems),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), vector_elems,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
 def compile_kernel(dtype, vector_elems):
     """The compiled swap for torch `dtype` moving `vector_elems` elements per access, built
-    once (a fraction of a second) and cached. Compiling needs no GPU."""
-    return build(dtype, vector_elems)
+    once (a fraction of a second) and cached. Compiling needs no GPU. What is cached is the
+    TVM-FFI function itself, which takes torch tensors and checks them against its build."""
+    return build(dtype, vector_elems).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, contiguous):
@@ -216,16 +218,13 @@ def is_vector_friendly(t):
 def swap(x, y):
     """Exchange the contents of two 1-D CUDA vectors of one dtype; returns (x, y)."""
     check_operands(x, y)
-    if y.device.type != "cuda":
+    if not y.is_cuda:
         raise ValueError(f"x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
-    n = y.numel()
-    if n == 0 or overlap(x, y) == "same":
+    # check_operands let through disjoint or identical views only, so one start means identical.
+    if y.numel() == 0 or x.data_ptr() == y.data_ptr():
         return x, y
     vector_elems = elements_per_access(y.dtype, is_vector_friendly(x) and is_vector_friendly(y))
-    # Launch on torch's current stream: ordered with the caller's torch work, capturable by a
-    # CUDA graph (call once before capturing: the first call loads the compiled module).
-    compile_kernel(y.dtype, vector_elems)(
-        x.data_ptr(), y.data_ptr(), n, x.stride(0), y.stride(0),
-        cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
-    )  # fmt: skip
+    # TVM-FFI launches on torch's current stream: ordered with the caller's torch work and
+    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
+    compile_kernel(y.dtype, vector_elems)(x, y)
     return x, y

@@ -217,6 +217,29 @@ def test_negative_control():
         assert_same_bits(wrong_y, x)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss."""
+    swap = implementation(impl)
+    x, y = random_vector(4099, dtype), random_vector(4099, dtype)
+    swap(x, y)  # the first call compiles and loads the kernel, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        swap(x, y)
+    x.copy_(random_vector(4099, dtype))
+    y.copy_(random_vector(4099, dtype))
+    eager_x, eager_y = x.clone(), y.clone()
+    graph.replay()
+    swap(eager_x, eager_y)
+    torch.cuda.synchronize()
+    assert_same_bits(x, eager_x, "x")
+    assert_same_bits(y, eager_y, "y")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="2**31 elements need a GPU (16 GiB with the copies)")
 @pytest.mark.parametrize("impl", IMPLS)
 def test_more_than_2_to_31_elements(impl):

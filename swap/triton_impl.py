@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference import check_operands, overlap
+from reference import check_operands
 
 # 4 KiB per operand per program over 4 warps: two 16-byte vectors of x and two of y per thread.
 # swap is touchy: measured on the H200 at n = 2**28 this gives 4.15 TB/s, 8 KiB over 8 warps
@@ -36,11 +36,19 @@ def swap_kernel(x_ptr, y_ptr, n, stride_x, stride_y, BLOCK: tl.constexpr):
     tl.store(y_ptrs, x, mask=in_bounds)
 
 
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def on_device_of(t):
-    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
+    current when it is another one (entering torch.cuda.device costs more than a launch's own
+    Python, so only then); the CPU serves when Triton runs as an interpreter."""
     if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
         return torch.cuda.device(t.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return contextlib.nullcontext()
     raise ValueError(
         f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
@@ -51,10 +59,14 @@ def swap(x, y):
     check_operands(x, y)
     device = on_device_of(x)
     n = x.numel()
-    if n == 0 or overlap(x, y) == "same":
+    # check_operands let through disjoint or identical views only, so one start means identical.
+    if n == 0 or x.data_ptr() == y.data_ptr():
         return x, y
     block = BLOCK_BYTES // x.element_size()
-    grid = (triton.cdiv(n, block),)
     with device:
-        swap_kernel[grid](x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=NUM_WARPS)
+        # ceil(n / block) programs, in plain integers: triton.cdiv is a constexpr function that
+        # costs about 2 us a call on the host.
+        swap_kernel[((n + block - 1) // block,)](
+            x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=NUM_WARPS
+        )
     return x, y

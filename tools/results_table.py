@@ -126,9 +126,18 @@ def per_call_table(results):
         "| dtype | " + " | ".join(impls) + " |",
         "| --- | " + " | ".join("---" for _ in impls) + " |",
     ]
-    for dtype in dict.fromkeys(row["dtype"] for row in rows):
-        host = {r["impl"]: r["host_us"] for r in rows if r["dtype"] == dtype}
-        lines.append(f"| {dtype} | " + " | ".join(f"{host.get(i, 0):.1f}" for i in impls) + " |")
+    for dtype, layout in dict.fromkeys((row["dtype"], row.get("layout")) for row in rows):
+        host = {
+            r["impl"]: r["host_us"]
+            for r in rows
+            if (r["dtype"], r.get("layout")) == (dtype, layout)
+        }
+        label = dtype if layout is None else f"{dtype}, {layout}"
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{host[i]:.1f}" if i in host else "" for i in impls)
+            + " |"
+        )
     return lines
 
 
