@@ -204,39 +204,25 @@ def sum_partials_kernel(partials: cute.Tensor, z: cute.Tensor, num_partials: cut
         z[0] = total.to(z.element_type)  # the one rounding to the dtype, to nearest even
 
 
-def vector_layout(n, stride, vector_elems):
-    """The layout i -> i*stride of a length-n vector. A vector build fixes the stride to the
-    compile-time constant 1 (the stride argument is ignored): only a stride known when
-    compiling lets the compiler merge adjacent elements into one 128-bit access."""
-    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
-
-
 @cute.jit
 def launch_dot(
-    x_address: cutlass.Int64,
-    y_address: cutlass.Int64,
-    partials_address: cutlass.Int64,
-    z_address: cutlass.Int64,
-    n: cutlass.Int64,
-    x_stride: cutlass.Int64,
-    y_stride: cutlass.Int64,
-    blocks: cutlass.Int32,
+    x: cute.Tensor,
+    y: cute.Tensor,
+    partials: cute.Tensor,
+    z: cute.Tensor,
     tiles_per_block: cutlass.Int64,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     vector_elems: cutlass.Constexpr[int],
 ):
-    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
-    # 16 bytes for a vector build, one element otherwise.
-    align = dtype.width // 8 * vector_elems
-    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=align)
-    partials_ptr = cute.make_ptr(cutlass.Float32, partials_address, cute.AddressSpace.gmem)
-    z_ptr = cute.make_ptr(dtype, z_address, cute.AddressSpace.gmem)
-    x = cute.make_tensor(x_ptr, vector_layout(n, x_stride, vector_elems))
-    y = cute.make_tensor(y_ptr, vector_layout(n, y_stride, vector_elems))
-    partials = cute.make_tensor(partials_ptr, cute.make_layout(blocks))
-    z = cute.make_tensor(z_ptr, cute.make_layout(1))
+    # x, y, partials and z (0-dim) arrive as torch tensors through TVM-FFI, with the layouts
+    # they were compiled for (`placeholder`): a vector build knows the stride 1 and a 16-byte
+    # aligned start when it compiles, which lets it merge adjacent elements into one 128-bit
+    # load. Pass 1 has one block per partial.
+    dtype = x.element_type
+    # n from cute.size, a 64-bit product: CuTe DSL 4.8.1 reads x.shape[0] back as 32 bits.
+    n = cutlass.Int64(cute.size(x))
+    blocks = cutlass.Int32(cute.size(partials))  # at most MAX_BLOCKS
+    z = cute.make_tensor(z.iterator, cute.make_layout(1))  # the 0-dim z as z[0]
 
     # The TV layout: thread_layout sets the 256 threads side by side, value_layout gives each
     # of them one 16-byte vector's worth of adjacent elements; the tiled copy repeats this row
@@ -271,26 +257,50 @@ def split(n):
     return -(-tiles // tiles_per_block), tiles_per_block
 
 
+def placeholder(dtype, length, vector_elems):
+    """What cute.compile sees of x or y: its dtype, a 64-bit symbolic length, and either the
+    constant stride 1 on a 16-byte boundary (a vector build) or a 64-bit symbolic stride on an
+    element boundary. The compiled function checks each call's tensors against it (dtype,
+    device, alignment, stride) and raises rather than run on a mismatch."""
+    stride = 1 if vector_elems > 1 else cute.sym_int64()
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (length,), stride=(stride,),
+        assumed_align=dtype.itemsize * vector_elems,
+    )  # fmt: skip
+
+
 def elements_per_access(dtype, vector_friendly):
     """16 // element size for the vector build, 1 for the any-stride build."""
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
 def build(dtype, vector_elems, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on torch tensors, on the stream torch has
+    current for their device. x and y share one symbolic length: each call checks they match.
+    partials is a contiguous float32 vector of any length, z a 0-dim tensor of the dtype."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
+    length = cute.sym_int64()
+    partials = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int64(),), stride=(1,), assumed_align=4
+    )
+    z = cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (), stride=(), assumed_align=dtype.itemsize
+    )
     return cute.compile(
-        launch_dot, 0, 0, 0, 0, 1, 1, 1, 1, 1, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, options=options,
+        launch_dot,
+        placeholder(dtype, length, vector_elems), placeholder(dtype, length, vector_elems),
+        partials, z, 1, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), vector_elems,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
 def compile_kernel(dtype, vector_elems):
     """The compiled dot for torch `dtype` loading `vector_elems` elements per access, built
-    once (about half a second) and cached. Compiling needs no GPU."""
-    return build(dtype, vector_elems)
+    once (about half a second) and cached. Compiling needs no GPU. What is cached is the
+    TVM-FFI function itself, which takes torch tensors and checks them against its build."""
+    return build(dtype, vector_elems).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, contiguous):
@@ -309,7 +319,7 @@ def is_vector_friendly(t):
 def dot(x, y):
     """z = x^T y for 1-D CUDA vectors of one dtype, accumulated in float32; a new 0-dim tensor."""
     check_operands(x, y)
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         raise ValueError(f"x and y are on {x.device}; the CuTe kernel needs CUDA tensors")
     n = x.numel()
     if n == 0:
@@ -318,13 +328,8 @@ def dot(x, y):
     vector_elems = elements_per_access(x.dtype, is_vector_friendly(x) and is_vector_friendly(y))
     partials = torch.empty(blocks, dtype=torch.float32, device=x.device)
     z = torch.empty((), dtype=x.dtype, device=x.device)
-    # Launch on torch's current stream of the operands' GPU: ordered with the caller's torch
-    # work, capturable by a CUDA graph (call once before capturing: the first call loads the
-    # compiled module).
-    with torch.cuda.device(x.device):
-        compile_kernel(x.dtype, vector_elems)(
-            x.data_ptr(), y.data_ptr(), partials.data_ptr(), z.data_ptr(), n,
-            x.stride(0), y.stride(0), blocks, tiles_per_block,
-            cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
-        )  # fmt: skip
+    # TVM-FFI launches both kernels on torch's current stream: ordered with the caller's torch
+    # work and capturable by a CUDA graph (call once before capturing: the first call loads the
+    # module). partials comes from torch's caching allocator, as z does.
+    compile_kernel(x.dtype, vector_elems)(x, y, partials, z, tiles_per_block)
     return z

@@ -267,6 +267,29 @@ def test_repeatability(impl, dtype):
     assert_same_bits(dot(x, y).reshape(1), dot(x, y).reshape(1))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss. The captured call allocates its partials and
+    z from the graph's memory pool, and every replay writes the same z."""
+    dot = implementation(impl)
+    x, y = random_vector(65537, dtype), random_vector(65537, dtype)
+    dot(x, y)  # the first call compiles and loads the kernels, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = dot(x, y)
+    x.copy_(random_vector(65537, dtype))
+    y.copy_(random_vector(65537, dtype))
+    replayed.fill_(float("nan"))
+    graph.replay()
+    eager = dot(x, y)
+    torch.cuda.synchronize()
+    assert_same_bits(replayed.reshape(1), eager.reshape(1))
+
+
 def test_empty_launches_nothing(monkeypatch):
     """n = 0 returns the empty sum without touching either kernel."""
     monkeypatch.setattr(triton_impl, "partial_dots_kernel", None)

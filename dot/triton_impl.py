@@ -90,11 +90,20 @@ def sum_partials_kernel(partials_ptr, z_ptr, num_partials, LOG2_PARTIALS: tl.con
     tl.store(z_ptr, pairwise_sum(partials, LOG2_PARTIALS).to(z_ptr.dtype.element_ty))
 
 
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2_BLOCK = BLOCK.bit_length() - 1  # pass 1's in-program tree levels
+
+
 def on_device_of(t):
-    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
+    current when it is another one (entering torch.cuda.device costs more than a launch's own
+    Python, so only then); the CPU serves when Triton runs as an interpreter."""
     if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
         return torch.cuda.device(t.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return contextlib.nullcontext()
     raise ValueError(
         f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
@@ -104,9 +113,11 @@ def on_device_of(t):
 def split(n):
     """(programs, blocks per program) of pass 1 for a vector of n > 0 elements: as few blocks
     per program as MAX_PROGRAMS allows, then only as many programs as those blocks need."""
-    blocks = triton.cdiv(n, BLOCK)
-    blocks_per_program = triton.cdiv(blocks, min(blocks, MAX_PROGRAMS))
-    return triton.cdiv(blocks, blocks_per_program), blocks_per_program
+    # Plain integer ceilings: triton.cdiv is a constexpr function, ~2 us a call on the host.
+    blocks = (n + BLOCK - 1) // BLOCK
+    programs = min(blocks, MAX_PROGRAMS)
+    blocks_per_program = (blocks + programs - 1) // programs
+    return (blocks + blocks_per_program - 1) // blocks_per_program, blocks_per_program
 
 
 def dot(x, y):
@@ -116,12 +127,14 @@ def dot(x, y):
     if n == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)  # the empty sum
     programs, blocks_per_program = split(n)
+    # Per call, from torch's caching allocator: z is the result, and partials cannot be shared
+    # between calls that may run side by side on different streams.
     z = torch.empty((), dtype=x.dtype, device=x.device)
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
     with device:
         partial_dots_kernel[(programs,)](
             x, y, partials, n, x.stride(0), y.stride(0), blocks_per_program * BLOCK,
-            BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, num_warps=NUM_WARPS,
+            BLOCK=BLOCK, LOG2_BLOCK=LOG2_BLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
         sum_partials_kernel[(1,)](
             partials, z, programs, LOG2_PARTIALS=(programs - 1).bit_length(), num_warps=NUM_WARPS

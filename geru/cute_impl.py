@@ -167,48 +167,43 @@ def row_major_layout(rows, cols, row_stride, col_stride, vector_elems):
 
 @cute.jit
 def launch_geru(
-    x_address: cutlass.Int64,
-    y_address: cutlass.Int64,
-    a_address: cutlass.Int64,
-    m: cutlass.Int64,
-    n: cutlass.Int64,
-    x_stride: cutlass.Int64,
-    y_stride: cutlass.Int64,
-    a_row_stride: cutlass.Int64,
-    a_col_stride: cutlass.Int64,
     alpha: cutlass.Float32,
+    x: cute.Tensor,
+    y: cute.Tensor,
+    a: cute.Tensor,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     vector_elems: cutlass.Constexpr[int],
     rows_contiguous: cutlass.Constexpr[bool],
     along_vector_elems: cutlass.Constexpr[int],
 ):
-    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
-    # 16 bytes for A in a vector build, one element otherwise.
+    # x, y and A arrive as torch tensors through TVM-FFI, with the layouts they were compiled
+    # for (`placeholders`): a vector build knows A's unit stride, its other stride divisible by
+    # the vector and its 16-byte aligned start when it compiles (and the same of the operand
+    # along the rows when that is read as vectors), which lets it merge adjacent elements into
+    # one 128-bit access. The kernel's tensors are new layouts over the same pointers.
+    dtype = a.element_type
     elem_bytes = dtype.width // 8
-    a_ptr = cute.make_ptr(
-        dtype, a_address, cute.AddressSpace.gmem, assumed_align=elem_bytes * vector_elems
-    )
-    along_align = elem_bytes * along_vector_elems
-    x_align, y_align = (elem_bytes, along_align) if rows_contiguous else (along_align, elem_bytes)
-    x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=x_align)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem, assumed_align=y_align)
-    # A vector build of the operand along the rows fixes its stride to the constant 1.
-    along_stride_y = y_stride if cutlass.const_expr(along_vector_elems == 1) else 1
-    along_stride_x = x_stride if cutlass.const_expr(along_vector_elems == 1) else 1
+    # m and n from cute.size, 64-bit: CuTe DSL 4.8.1 reads a.shape[i] back as 32 bits.
+    m = cutlass.Int64(cute.size(a, mode=[0]))
+    n = cutlass.Int64(cute.size(a, mode=[1]))
+    # Strides read back whole: the constant 1 of a vector build stays a constant.
+    a_row_stride, a_col_stride = a.stride[0], a.stride[1]
+    x_stride, y_stride = x.stride[0], y.stride[0]
     # The kernel's rows and columns: A's own when its rows are contiguous, else those of A^T.
     # Either way X holds x_i wherever A holds a_ij, and Y holds y_j.
     if cutlass.const_expr(rows_contiguous):
         rows, cols, row_stride, col_stride = m, n, a_row_stride, a_col_stride
         x_layout = cute.make_layout((m, n), stride=(x_stride, 0))
-        y_layout = cute.make_layout((m, n), stride=(0, along_stride_y))
+        y_layout = cute.make_layout((m, n), stride=(0, y_stride))
     else:
         rows, cols, row_stride, col_stride = n, m, a_col_stride, a_row_stride
-        x_layout = cute.make_layout((n, m), stride=(0, along_stride_x))
+        x_layout = cute.make_layout((n, m), stride=(0, x_stride))
         y_layout = cute.make_layout((n, m), stride=(y_stride, 0))
-    a = cute.make_tensor(a_ptr, row_major_layout(rows, cols, row_stride, col_stride, vector_elems))
-    x = cute.make_tensor(x_ptr, x_layout)
-    y = cute.make_tensor(y_ptr, y_layout)
+    a = cute.make_tensor(
+        a.iterator, row_major_layout(rows, cols, row_stride, col_stride, vector_elems)
+    )
+    x = cute.make_tensor(x.iterator, x_layout)
+    y = cute.make_tensor(y.iterator, y_layout)
 
     # The TV layout: 64 threads side by side along a row, 4 rows of them (thread t sits at
     # (t // 64, t % 64)), each holding one 16-byte vector's worth of adjacent elements of its row.
@@ -246,16 +241,47 @@ def elements_per_access(dtype, vector_friendly):
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
+def placeholders(dtype, vector_elems, rows_contiguous, along_vector_elems):
+    """What cute.compile sees of x, y and A: the dtype, 64-bit symbolic sizes shared by the
+    operands that must match (len(x) = m, len(y) = n), and 64-bit symbolic strides, except
+    in a vector build: A's unit stride the constant 1, its other stride divisible by the
+    vector and its start on a 16-byte boundary, and likewise the constant stride 1 and a
+    16-byte start for the operand along the rows when it is read as vectors. The compiled
+    function checks each call's tensors against them (dtype, device, sizes, alignment,
+    strides, skipping the strides of dims of size 1) and raises rather than run on a mismatch."""
+    cutlass_dtype, m, n = TORCH_TO_CUTLASS[dtype], cute.sym_int64(), cute.sym_int64()
+    if vector_elems == 1:
+        a_strides = (cute.sym_int64(), cute.sym_int64())
+    elif rows_contiguous:
+        a_strides = (cute.sym_int64(divisibility=vector_elems), 1)
+    else:
+        a_strides = (1, cute.sym_int64(divisibility=vector_elems))
+    a = cute.runtime.make_fake_tensor(
+        cutlass_dtype, (m, n), stride=a_strides, assumed_align=dtype.itemsize * vector_elems
+    )
+
+    def vector(length, along):  # x or y; `along`: the operand that varies along the rows
+        elems = along_vector_elems if along else 1
+        return cute.runtime.make_fake_tensor(
+            cutlass_dtype, (length,), stride=(1 if elems > 1 else cute.sym_int64(),),
+            assumed_align=dtype.itemsize * elems,
+        )  # fmt: skip
+
+    return vector(m, not rows_contiguous), vector(n, rows_contiguous), a
+
+
 def build(dtype, vector_elems, rows_contiguous, along_vector_elems=1, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on torch tensors, on the stream torch has
+    current for their device, alpha a Python float (already a float32 value)."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
     if along_vector_elems not in (1, vector_elems):
         raise ValueError("the operand along the rows is read as vectors only when A is")
     return cute.compile(
-        launch_geru, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1.0, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], vector_elems, rows_contiguous, along_vector_elems,
-        options=options,
+        launch_geru, 1.0, *placeholders(dtype, vector_elems, rows_contiguous, along_vector_elems),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        vector_elems, rows_contiguous, along_vector_elems,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -264,8 +290,9 @@ def compile_kernel(dtype, vector_elems, rows_contiguous, along_vector_elems):
     """The compiled geru for torch `dtype`, moving `vector_elems` elements of A and
     `along_vector_elems` of the operand along the rows per access, with the tile's rows along
     A's rows (rows_contiguous) or along its columns; built once (about a second) and cached.
-    Compiling needs no GPU."""
-    return build(dtype, vector_elems, rows_contiguous, along_vector_elems)
+    Compiling needs no GPU. What is cached is the TVM-FFI function itself, which takes torch
+    tensors and checks them against its build."""
+    return build(dtype, vector_elems, rows_contiguous, along_vector_elems).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, contiguous, rows_contiguous=True, along_vector=False):
@@ -280,16 +307,16 @@ def ptx_of(dtype, contiguous, rows_contiguous=True, along_vector=False):
 
 
 def steps(A):
-    """A's strides, with 0 for a dim of size 1: it never steps, and 0 keeps the vector build's
-    promise (a row stride divisible by the vector) true whatever torch reports for it."""
+    """A's strides, with 0 for a dim of size 1: it never steps, so whatever torch reports for it
+    does not count against a vector build (the compiled function skips it as well)."""
     return tuple(
         stride if size > 1 else 0 for size, stride in zip(A.shape, A.stride(), strict=True)
     )
 
 
-def is_vector_friendly(A):
-    """Rows, as the kernel sees A, of adjacent elements that all start on 16-byte boundaries."""
-    inner = fastest_dim(A)
+def is_vector_friendly(A, inner):
+    """Rows, as the kernel sees A (along dim `inner`, `fastest_dim(A)`), of adjacent elements
+    that all start on 16-byte boundaries."""
     step, vector_elems = steps(A), VECTOR_BYTES // A.element_size()
     return (
         step[inner] in (0, 1)
@@ -302,29 +329,23 @@ def geru(alpha, x, y, A):
     """A = A + alpha x y^T for a CUDA matrix A and vectors x, y of one dtype, in float32;
     returns A."""
     check_operands(alpha, x, y, A)
-    if A.device.type != "cuda":
+    if not A.is_cuda:
         raise ValueError(f"x, y and A are on {A.device}; the CuTe kernel needs CUDA tensors")
     alpha32 = to_float32(float(alpha))
     m, n = A.shape
     if alpha32 == 0.0 or m == 0 or n == 0:  # alpha == 0: x and y are not read, A not written
         return A
-    rows_contiguous = fastest_dim(A) == 1
-    vector_a = is_vector_friendly(A)
-    along = y if rows_contiguous else x
+    inner = fastest_dim(A)
+    vector_a = is_vector_friendly(A, inner)
+    along = y if inner == 1 else x
     vector_along = vector_a and along.stride(0) == 1 and along.data_ptr() % VECTOR_BYTES == 0
     kernel = compile_kernel(
         A.dtype,
         elements_per_access(A.dtype, vector_a),
-        rows_contiguous,
+        inner == 1,
         elements_per_access(A.dtype, vector_along),
     )
-    stride_m, stride_n = steps(A)
-    # Launch on torch's current stream of A's GPU: ordered with the caller's torch work,
+    # TVM-FFI launches on torch's current stream: ordered with the caller's torch work and
     # capturable by a CUDA graph (call once before capturing: the first call loads the module).
-    with torch.cuda.device(A.device):
-        kernel(
-            x.data_ptr(), y.data_ptr(), A.data_ptr(), m, n, x.stride(0), y.stride(0),
-            stride_m, stride_n, alpha32,
-            cuda.CUstream(torch.cuda.current_stream(A.device).cuda_stream),
-        )  # fmt: skip
+    kernel(alpha32, x, y, A)
     return A

@@ -282,6 +282,34 @@ def test_special_values_and_repeatability(impl, dtype, layout):
     assert_same_bits(second, buffer, "a second run")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_cuda_graph_replays_the_eager_call(impl, dtype, layout):
+    """Captured in a CUDA graph (as a decode loop would run it), the update replays on fresh
+    x, y and A with the bits of an eager call on a copy of them: the launcher works on the
+    stream torch has current and does nothing outside it that a capture would miss. 33 x 513
+    has full tiles and edge tiles in both orientations."""
+    geru = implementation(impl)
+    m, n = 33, 513
+    buffer, A, outside = matrix_in_guard(m, n, dtype, layout)
+    x, y = random_vector(m, dtype), random_vector(n, dtype)
+    geru(0.75, x, y, A)  # the first call compiles and loads the kernel, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        geru(0.75, x, y, A)
+    x.copy_(random_vector(m, dtype))
+    y.copy_(random_vector(n, dtype))
+    A.copy_(torch.randn(m, n, device=DEVICE).to(dtype))
+    eager = buffer.clone()  # the same inputs, in the same layout and alignment
+    graph.replay()
+    geru(0.75, x, y, view_in(eager, m, n, layout))
+    torch.cuda.synchronize()
+    assert_same_bits(buffer, eager, "the replayed A and its guard")
+    assert buffer[outside].isnan().all()
+
+
 @pytest.mark.parametrize("impl", ["triton", "cute"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layouts_give_the_same_bits(impl, dtype):
