@@ -12,14 +12,21 @@ clock and temperature, so a fixed order would favour whichever runs first. The c
 large device-to-device copy measured in the same run; the library op a user would otherwise
 call is torch.addmv (cuBLAS), in place on y.
 cute_impl is measured when it can be imported.
+
+The per-call rows time the host path: the wall time of CALLS back-to-back calls on a TINY x TINY
+matrix of each layout, where the GPU work is far shorter than the Python and driver work of a
+call, beside the run's floors: torch's own `y.copy_(x)` and a bare Triton launch of the same copy,
+on TINY**2 = 4096 float32 elements.
 """
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import torch_impl
 import triton_impl
@@ -44,6 +51,7 @@ SIZES = [1024, 2048, 4096, 8192, 16384]
 LAYOUTS = ["row", "col"]
 DTYPES = [torch.float32, torch.bfloat16]
 ROUNDS = 3
+TINY, CALLS = 64, 2000  # the per-call rows: TINY x TINY matrices, calls timed per round
 
 
 def make_operands(m, n, dtype, layout):
@@ -77,6 +85,53 @@ def interleaved_ms(calls):
     return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
+@triton.jit
+def bare_copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """The least a Triton launch can do: the floor under every Triton launcher's cost."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def per_call_us(calls):
+    """{name: microseconds per call}: the wall time of CALLS back-to-back calls, the median of
+    ROUNDS rounds in rotated order (the host path is what is timed: the GPU keeps up)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            calls[name]()  # compiled and loaded before the clock starts
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                calls[name]()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    return {name: statistics.median(us) for name, us in samples.items()}
+
+
+def per_call_floors():
+    """The run's floors: torch's y.copy_(x) and a bare Triton launch, on TINY**2 float32
+    elements (4096, as in every folder)."""
+    n = TINY * TINY
+    x, y = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+    return per_call_us({
+        "torch_call_us": lambda: y.copy_(x),
+        "triton_launch_us": lambda: bare_copy_kernel[(n // 1024,)](x, y, n, BLOCK=1024),
+    })  # fmt: skip
+
+
+def per_call_rows(dtype, layout):
+    """One row per implementation (the library op among them): host_us on a TINY x TINY A."""
+    operands = make_operands(TINY, TINY, dtype, layout)
+    host = per_call_us({name: gemv_call(f, *operands) for name, f in IMPLS.items()})
+    return [
+        {"impl": impl, "dtype": str(dtype)[6:], "shape": [TINY, TINY], "layout": layout,
+         "ms": None, "GBps": None, "TFLOPs": None, "pct_of_ceiling": None,
+         "vs_library": host["library"] / us, "host_us": us}
+        for impl, us in host.items()
+    ]  # fmt: skip
+
+
 def copy_ceiling_gbps():
     """Bytes read plus bytes written per second by a 1 GiB device-to-device copy."""
     source = torch.randn(2**28, device="cuda")
@@ -85,21 +140,40 @@ def copy_ceiling_gbps():
     return 2 * source.nbytes / ms / 1e6
 
 
-def plot(rows, ceiling, path):
+def plot_per_call(ax, rows, floors, layout):
+    """Bars of microseconds per call, per implementation and dtype, with the run's floors."""
+    rows = [r for r in rows if r["layout"] == layout]
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    for i, dtype in enumerate(dict.fromkeys(r["dtype"] for r in rows)):
+        us = {r["impl"]: r["host_us"] for r in rows if r["dtype"] == dtype}
+        ax.bar([k + 0.4 * i for k in range(len(names))], [us[n] for n in names], 0.4, label=dtype)
+    for (name, value), style in zip(floors.items(), ("--", ":"), strict=True):
+        ax.axhline(value, color="gray", linestyle=style, label=name)
+    ax.set_xticks([k + 0.2 for k in range(len(names))], names)
+    title = f"{KERNEL}: host cost per call, {TINY} x {TINY} {layout}-major A"
+    ax.set(ylabel="us per call", title=title)
+    ax.legend()
+
+
+def plot(rows, ceiling, floors, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # One row of panels per dtype (GB/s against size), then one of host cost per call.
     figure, axes = plt.subplots(
-        len(DTYPES), len(LAYOUTS), figsize=(6 * len(LAYOUTS), 4.5 * len(DTYPES)), sharey=True
+        len(DTYPES) + 1, len(LAYOUTS), figsize=(6 * len(LAYOUTS), 4.5 * (len(DTYPES) + 1))
     )
-    for ax_row, dtype in zip(axes, DTYPES, strict=True):
+    timed = [r for r in rows if r["ms"] is not None]
+    for ax_row, dtype in zip(axes[:-1], DTYPES, strict=True):
         for ax, layout in zip(ax_row, LAYOUTS, strict=True):
+            if ax is not axes[0][0]:
+                ax.sharey(axes[0][0])  # the GB/s panels share one scale
             for impl in IMPLS:
                 points = [
                     r
-                    for r in rows
+                    for r in timed
                     if r["impl"] == impl and r["dtype"] == str(dtype)[6:] and r["layout"] == layout
                 ]
                 sizes = [r["shape"][0] for r in points]
@@ -110,15 +184,21 @@ def plot(rows, ceiling, path):
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
     axes[0][0].legend()
+    for ax, layout in zip(axes[-1], LAYOUTS, strict=True):
+        plot_per_call(ax, [r for r in rows if r["ms"] is None], floors, layout)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main():
-    ceiling = copy_ceiling_gbps()
+    ceiling, floors = copy_ceiling_gbps(), per_call_floors()
     rows = []
     for dtype in DTYPES:
         for layout in LAYOUTS:
+            rows += per_call_rows(dtype, layout)
+            for row in rows[-len(IMPLS) :]:
+                print(f"{row['impl']:7s} {row['dtype']:9s} {layout} per call "
+                      f"{row['host_us']:6.1f} us")  # fmt: skip
             for size in SIZES:
                 m = n = size
                 operands = make_operands(m, n, dtype, layout)
@@ -136,11 +216,13 @@ def main():
                           f"x{times['library'] / ms:.2f} vs torch.addmv")  # fmt: skip
     results = {
         "device": torch.cuda.get_device_name(),
-        "ceilings": {"copy_GBps": ceiling},
+        "ceilings": {"copy_GBps": ceiling, **floors},
         "rows": rows,
     }
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(rows, ceiling, HERE / "perf.png")
+    plot(rows, ceiling, floors, HERE / "perf.png")
+    print(f"floors per call: torch {floors['torch_call_us']:.1f} us, Triton launch "
+          f"{floors['triton_launch_us']:.1f} us")  # fmt: skip
     print(f"copy ceiling {ceiling:.0f} GB/s; wrote results.json and perf.png")
 
 

@@ -360,52 +360,34 @@ def tiled_copies(dtype, layout, vector_elems):
 
 @cute.jit
 def launch_gemv(
-    a_address: cutlass.Int64,
-    x_address: cutlass.Int64,
-    y_address: cutlass.Int64,
-    m: cutlass.Int64,
-    n: cutlass.Int64,
-    stride_am: cutlass.Int64,
-    stride_an: cutlass.Int64,
-    stride_x: cutlass.Int64,
-    stride_y: cutlass.Int64,
+    A: cute.Tensor,
+    x: cute.Tensor,
+    y: cute.Tensor,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     layout: cutlass.Constexpr[str],
     vector_elems: cutlass.Constexpr[int],
     read_a: cutlass.Constexpr[bool],
     read_y: cutlass.Constexpr[bool],
 ):
-    # Raw addresses become typed pointers. The alignment is a promise the caller checked:
-    # 16 bytes for A (and, row-major, x) in a vector build, one element otherwise.
-    align = dtype.width // 8 * vector_elems
-    a_ptr = cute.make_ptr(dtype, a_address, cute.AddressSpace.gmem, assumed_align=align)
-    y_ptr = cute.make_ptr(dtype, y_address, cute.AddressSpace.gmem)
-    y = cute.make_tensor(y_ptr, cute.make_layout(m, stride=stride_y))
+    # A, x and y arrive as torch tensors through TVM-FFI, with the layouts they were compiled
+    # for (`placeholders`): a vector build knows A's stride 1 along the contiguous dimension, a
+    # multiple of v for the other stride and a 16-byte aligned start (row-major, x's stride 1
+    # and start too) when it compiles, which lets it merge adjacent elements into one 128-bit
+    # access.
+    dtype = A.element_type
+    # m and n from cute.size, 64-bit: CuTe DSL 4.8.1 reads A.shape[i] back as 32 bits.
+    m, n = cutlass.Int64(cute.size(A, mode=[0])), cutlass.Int64(cute.size(A, mode=[1]))
     tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
-    # A vector build fixes the stride along the contiguous dimension to the compile-time
-    # constant 1 and tells the compiler that every row (or column) starts on a vector boundary:
-    # only then may it merge adjacent elements into one 128-bit access.
-    if cutlass.const_expr(vector_elems == 1):
-        a_layout = cute.make_layout((m, n), stride=(stride_am, stride_an))
-    elif cutlass.const_expr(layout == "row"):
-        a_layout = cute.make_layout((m, n), stride=(cute.assume(stride_am, divby=vector_elems), 1))
-    else:
-        a_layout = cute.make_layout((m, n), stride=(1, cute.assume(stride_an, divby=vector_elems)))
-    A = cute.make_tensor(a_ptr, a_layout)
     if cutlass.const_expr(layout == "row"):
-        x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem, assumed_align=align)
-        x = cute.make_tensor(x_ptr, vector_layout(n, stride_x, vector_elems))
         kernel = row_major_kernel(
             A, x, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
         block_rows, threads = rows_per_block(dtype.width), THREADS_PER_BLOCK
     else:
         # x as an (m, n) matrix whose every row is x: row stride 0.
-        x_ptr = cute.make_ptr(dtype, x_address, cute.AddressSpace.gmem)
-        x_rows = cute.make_tensor(x_ptr, cute.make_layout((m, n), stride=(0, stride_x)))
+        x_rows = cute.make_tensor(x.iterator, cute.make_layout((m, n), stride=(0, x.stride[0])))
         kernel = column_major_kernel(
             A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
         )
@@ -417,16 +399,11 @@ def launch_gemv(
     )
 
 
-def vector_layout(n, stride, vector_elems):
-    """The layout j -> j*stride of a length-n vector. A vector build fixes the stride to the
-    compile-time constant 1 (the stride argument is ignored), as for A's rows."""
-    return cute.make_layout(n, stride=stride if cutlass.const_expr(vector_elems == 1) else 1)
-
-
 def mapping(A):
     """'col' when A's rows are adjacent in memory (column-major, A.stride(0) < A.stride(1)),
     else 'row': the contiguous dimension, or the nearer one for a strided view."""
-    return "col" if A.stride(0) < A.stride(1) else "row"
+    stride_m, stride_n = A.stride()
+    return "col" if stride_m < stride_n else "row"
 
 
 def elements_per_access(dtype, vector_friendly):
@@ -438,23 +415,50 @@ def is_vector_friendly(A, x, layout):
     """A's contiguous dimension has stride 1 and every row (row-major) or column (column-major)
     starts on a 16-byte boundary; row-major also reads x as vectors, so x must be contiguous
     and aligned as well."""
-    v = elements_per_access(A.dtype, True)
-    along, across = (1, 0) if layout == "row" else (0, 1)
-    a_ok = A.stride(along) == 1 and A.stride(across) % v == 0 and A.data_ptr() % VECTOR_BYTES == 0
-    if layout == "col":
-        return a_ok
-    return a_ok and x.is_contiguous() and x.data_ptr() % VECTOR_BYTES == 0
+    stride_m, stride_n = A.stride()
+    along, across = (stride_n, stride_m) if layout == "row" else (stride_m, stride_n)
+    if along != 1 or across % (VECTOR_BYTES // A.element_size()) or A.data_ptr() % VECTOR_BYTES:
+        return False
+    return layout == "col" or (x.is_contiguous() and x.data_ptr() % VECTOR_BYTES == 0)
+
+
+def placeholders(dtype, layout, vector_elems):
+    """What cute.compile sees of A, x and y: the dtype, 64-bit symbolic sizes (A's m shared
+    with y's length, its n with x's: each call checks they match) and strides. A vector build
+    has A's stride along the contiguous dimension the constant 1, the other a 64-bit symbolic
+    multiple of v, and a 16-byte aligned start, and row-major x the stride 1 and a 16-byte
+    aligned start; every other stride is a 64-bit symbolic one on an element boundary. The
+    compiled function checks each call's tensors against them (dtype, device, alignment,
+    strides, sizes) and raises rather than run on a mismatch."""
+    element, size = TORCH_TO_CUTLASS[dtype], dtype.itemsize
+    m, n = cute.sym_int64(), cute.sym_int64()
+    if vector_elems == 1:
+        a_stride = (cute.sym_int64(), cute.sym_int64())
+    elif layout == "row":
+        a_stride = (cute.sym_int64(divisibility=vector_elems), 1)
+    else:
+        a_stride = (1, cute.sym_int64(divisibility=vector_elems))
+    x_vector = vector_elems > 1 and layout == "row"
+    x_stride, x_align = (1, VECTOR_BYTES) if x_vector else (cute.sym_int64(), size)
+    make = cute.runtime.make_fake_tensor
+    return (
+        make(element, (m, n), stride=a_stride, assumed_align=size * vector_elems),
+        make(element, (n,), stride=(x_stride,), assumed_align=x_align),
+        make(element, (m,), stride=(cute.sym_int64(),), assumed_align=size),
+    )
 
 
 def build(dtype, layout, vector_elems, read_a, read_y, options=""):
-    """cute.compile the launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the launcher for TVM-FFI calls on torch tensors (A, x, y, alpha, beta), on
+    the stream torch has current for their device."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
     if layout not in ("row", "col"):
         raise ValueError(f"layout must be 'row' or 'col', got {layout!r}")
     return cute.compile(
-        launch_gemv, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1.0, 1.0, cute.runtime.make_fake_stream(),
-        TORCH_TO_CUTLASS[dtype], layout, vector_elems, read_a, read_y, options=options,
+        launch_gemv, *placeholders(dtype, layout, vector_elems), 1.0, 1.0,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        layout, vector_elems, read_a, read_y, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -462,8 +466,9 @@ def build(dtype, layout, vector_elems, read_a, read_y, options=""):
 def compile_kernel(dtype, layout, vector_elems, read_a, read_y):
     """The compiled gemv for torch `dtype`, A's `layout` ('row' or 'col'), `vector_elems`
     elements per access of A, loading A and x only if read_a and y only if read_y; built once
-    (about a second) and cached. Compiling needs no GPU."""
-    return build(dtype, layout, vector_elems, read_a, read_y)
+    (about a second) and cached. Compiling needs no GPU. What is cached is the TVM-FFI
+    function itself, which takes torch tensors and checks them against its build."""
+    return build(dtype, layout, vector_elems, read_a, read_y).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, layout, contiguous, read_a=True, read_y=True):
@@ -511,22 +516,18 @@ def register_coordinates(dtype, layout, contiguous, threads):
 def gemv(alpha, A, x, beta, y):
     """y = alpha*A*x + beta*y for CUDA tensors of one dtype, in float32; returns y."""
     check_operands(alpha, A, x, beta, y)
-    if y.device.type != "cuda":
+    if not y.is_cuda:
         raise ValueError(f"A, x and y are on {y.device}; the CuTe kernel needs CUDA tensors")
     m, n = A.shape
     if m == 0:
         return y
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
-    read_a, read_y = alpha32 != 0.0 and n > 0, beta32 != 0.0
     layout = mapping(A)
     vector_elems = elements_per_access(A.dtype, is_vector_friendly(A, x, layout))
-    # Launch on torch's current stream of the operands' GPU: ordered with the caller's torch
-    # work, capturable by a CUDA graph (call once before capturing: the first call loads the
-    # compiled module).
-    with torch.cuda.device(y.device):
-        compile_kernel(A.dtype, layout, vector_elems, read_a, read_y)(
-            A.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, A.stride(0), A.stride(1),
-            x.stride(0), y.stride(0), alpha32, beta32,
-            cuda.CUstream(torch.cuda.current_stream(y.device).cuda_stream),
-        )  # fmt: skip
+    # TVM-FFI launches on torch's current stream of the operands' GPU: ordered with the
+    # caller's torch work and capturable by a CUDA graph (call once before capturing: the
+    # first call loads the compiled module). alpha32 and beta32 pass as Float32 exactly.
+    compile_kernel(A.dtype, layout, vector_elems, alpha32 != 0.0 and n > 0, beta32 != 0.0)(
+        A, x, y, alpha32, beta32
+    )
     return y

@@ -487,6 +487,37 @@ def test_repeatability(impl, layout, dtype):
     assert_same_bits(second, first)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, layout, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh A,
+    x and y with the bits of an eager call on the same A and x and a copy of y: the launcher
+    works on the stream torch has current and does nothing outside it that a capture would
+    miss. m = 72 and n = 1000 make A one that Triton's TMA kernel (column-major: its descriptor
+    is a kernel argument, captured by value) and CuTe's vector builds take."""
+    gemv = implementation(impl)
+    m, n = 72, 1000
+    A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    if impl == "triton":
+        assert triton_impl.tma_reads(A) == (layout == "col")
+    if impl == "cute":
+        assert cute_impl.is_vector_friendly(A, x, cute_impl.mapping(A))
+    gemv(ALPHA, A, x, BETA, y)  # the first call compiles and loads the kernel: no capture can
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(ALPHA, A, x, BETA, y)
+    A.copy_(random_matrix(m, n, dtype, layout))
+    x.copy_(random_vector(n, dtype))
+    y.copy_(random_vector(m, dtype))
+    eager = y.clone()
+    graph.replay()
+    gemv(ALPHA, A, x, BETA, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(y, eager, f"{impl} replayed")
+
+
 def test_disjoint_views_of_one_buffer():
     """A, x and y may come from one buffer as long as y's addresses meet neither A's nor x's."""
     m, n = 20, 30

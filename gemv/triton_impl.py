@@ -37,6 +37,7 @@ A takes.
 """
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -82,18 +83,19 @@ TMA_COORDINATE_LIMIT = 2**31
 def mapping(A):
     """'col' when A's rows are adjacent in memory (column-major, A.stride(0) < A.stride(1)),
     else 'row': the contiguous dimension, or the nearer one for a strided view."""
-    return "col" if A.stride(0) < A.stride(1) else "row"
+    stride_m, stride_n = A.stride()
+    return "col" if stride_m < stride_n else "row"
 
 
 def tma_reads(A):
     """True when A is column-major with what the TMA unit needs: stride 1 down the columns, a
     16-byte aligned start and column stride, and sizes whose tile coordinates fit in 32 bits."""
-    size = A.element_size()
+    stride_m, stride_n = A.stride()
     return (
-        mapping(A) == "col"
-        and A.stride(0) == 1
+        stride_m == 1  # column-major (mapping 'col'), unit stride down the columns
+        and stride_n > 1
         and A.data_ptr() % TMA_ALIGN == 0
-        and A.stride(1) * size % TMA_ALIGN == 0
+        and stride_n * A.element_size() % TMA_ALIGN == 0
         and max(A.shape) < TMA_COORDINATE_LIMIT
     )
 
@@ -201,11 +203,69 @@ def gemv_tma_kernel(
     finish_rows(y_ptr, offs_m, offs_m < m, stride_y, result, beta, READ_Y)
 
 
+# The launch options of each kernel, worked out once: gemv_kernel's by mapping and element size,
+# gemv_tma_kernel's by element size. The launchers count the programs, ceil(m / BLOCK_M), as
+# -(-m // BLOCK_M): triton.cdiv is a constexpr function in Triton 3.6, 2 us a call on the host.
+POINTER_LAUNCH = {
+    (layout, size): {"BLOCK_M": block_m, "BLOCK_N": block_n,
+                     "LOG2_BLOCK_N": block_n.bit_length() - 1, "HALVES": layout == "col",
+                     "num_warps": warps}
+    for (layout, size), (block_m, block_n, warps) in TILES.items()
+}  # fmt: skip
+TMA_LAUNCH = {
+    size: {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1,
+           "NUM_STAGES": stages, "num_warps": warps}
+    for size, (block_m, block_n, warps, stages) in TMA_TILES.items()
+}  # fmt: skip
+
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class Address:
+    """What a host TensorDescriptor needs of its base on the GPU: Triton 3.6 reads the dtype
+    when it specialises the kernel and data_ptr() when it encodes the TMA descriptor. Holding
+    no tensor, a cached descriptor keeps no memory alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address, dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self):
+        return self.address
+
+
+@functools.lru_cache(maxsize=64)
+def tma_descriptor(address, dtype, m, n, column_stride):
+    """The descriptor of A.T, the (n, m) row-major matrix a column-major A's columns form, in
+    blocks of BLOCK_N columns of A by BLOCK_M rows. It depends on nothing but these numbers, so
+    it is built (with TensorDescriptor's checks, 2-3 us of Python) once per matrix, not per
+    call. Triton 3.6 still encodes the CUtensorMap from it at every launch: that is in its
+    launcher, and no host-side descriptor avoids it."""
+    block_m, block_n, _, _ = TMA_TILES[dtype.itemsize]
+    return TensorDescriptor(Address(address, dtype), [n, m], [column_stride, 1], [block_n, block_m])
+
+
+def a_tiles(A):
+    """A's TMA descriptor: the cached one on the GPU; a fresh one over the tensor itself under
+    the interpreter, which reads the elements through it."""
+    m, n = A.shape
+    if INTERPRETED:
+        block_m, block_n, _, _ = TMA_TILES[A.element_size()]
+        return TensorDescriptor(A.T, [n, m], [A.stride(1), 1], [block_n, block_m])
+    return tma_descriptor(A.data_ptr(), A.dtype, m, n, A.stride(1))
+
+
 def on_device_of(t):
-    """Launch context for t: its GPU, or the CPU when Triton runs as an interpreter."""
+    """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
+    current when it is another one (entering torch.cuda.device costs more than a launch's own
+    Python, so only then); the CPU serves when Triton runs as an interpreter."""
     if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
         return torch.cuda.device(t.device)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return contextlib.nullcontext()
     raise ValueError(
         f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
@@ -221,22 +281,17 @@ def gemv(alpha, A, x, beta, y):
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     read_a = alpha32 != 0.0 and n > 0
     if read_a and tma_reads(A):
-        block_m, block_n, warps, stages = TMA_TILES[A.element_size()]
-        a_tiles = TensorDescriptor(A.T, [n, m], [A.stride(1), 1], [block_n, block_m])
+        launch = TMA_LAUNCH[A.element_size()]
         with device:
-            gemv_tma_kernel[(triton.cdiv(m, block_m),)](
-                a_tiles, x, y, m, n, x.stride(0), y.stride(0), alpha32, beta32,
-                READ_Y=beta32 != 0.0, BLOCK_M=block_m, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, NUM_STAGES=stages, num_warps=warps,
+            gemv_tma_kernel[(-(-m // launch["BLOCK_M"]),)](
+                a_tiles(A), x, y, m, n, x.stride(0), y.stride(0), alpha32, beta32,
+                READ_Y=beta32 != 0.0, **launch,
             )  # fmt: skip
         return y
-    layout = mapping(A)
-    block_m, block_n, warps = TILES[layout, A.element_size()]
+    launch = POINTER_LAUNCH[mapping(A), A.element_size()]
     with device:
-        gemv_kernel[(triton.cdiv(m, block_m),)](
-            A, x, y, m, n, A.stride(0), A.stride(1), x.stride(0), y.stride(0), alpha32, beta32,
-            READ_A=read_a, READ_Y=beta32 != 0.0,
-            BLOCK_M=block_m, BLOCK_N=block_n, LOG2_BLOCK_N=block_n.bit_length() - 1,
-            HALVES=layout == "col", num_warps=warps,
+        gemv_kernel[(-(-m // launch["BLOCK_M"]),)](
+            A, x, y, m, n, *A.stride(), x.stride(0), y.stride(0), alpha32, beta32,
+            READ_A=read_a, READ_Y=beta32 != 0.0, **launch,
         )  # fmt: skip
     return y
