@@ -13,15 +13,22 @@ at full tensor-core rate the H200's clock follows its power and temperature, so 
 first on a cool card would otherwise be favoured by a few percent.
 The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
 library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
-measured when it can be imported.
+measured when it can be imported. Every row says its layout: "NN" (A and B row-major).
+
+The per-call rows time the host path: the wall time of CALLS back-to-back calls at TINY^3, where
+the GPU work is far shorter than the Python and driver work of a call, for every implementation
+and torch.addmm, beside the run's floors: torch's own `y.copy_(x)` and a bare Triton launch of a
+copy, on 4096 float32 elements (the floors of copy/bench.py).
 """
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import torch_impl
 import triton_impl
@@ -30,6 +37,8 @@ KERNEL = "gemm"
 HERE = Path(__file__).resolve().parent
 ALPHA, BETA = 1.0, 0.5  # C stays bounded over the repeated in-place calls
 ROUNDS = 3
+LAYOUT = "NN"  # A and B row-major, every row
+TINY, CALLS, FLOOR_N = 64, 2000, 4096  # per-call rows: m = n = k, calls timed; the floors' n
 
 
 def library_gemm(alpha, A, B, beta, C):
@@ -76,6 +85,51 @@ def interleaved_ms(calls):
     return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
+@triton.jit
+def bare_copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """The least a Triton launch can do: the floor under every Triton launcher's cost."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def per_call_us(calls):
+    """{name: microseconds per call}: the wall time of CALLS back-to-back calls, the median of
+    ROUNDS rounds in rotated order (the host path is what is timed: the GPU keeps up)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            calls[name]()  # compiled and loaded before the clock starts
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                calls[name]()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    return {name: statistics.median(us) for name, us in samples.items()}
+
+
+def per_call_floors():
+    """The run's floors: torch's y.copy_(x) and a bare Triton launch, on FLOOR_N float32s."""
+    x, y = torch.randn(FLOOR_N, device="cuda"), torch.empty(FLOOR_N, device="cuda")
+    return per_call_us({
+        "torch_call_us": lambda: y.copy_(x),
+        "triton_launch_us": lambda: bare_copy_kernel[(FLOOR_N // 1024,)](x, y, FLOOR_N, BLOCK=1024),
+    })  # fmt: skip
+
+
+def per_call_rows(dtype):
+    """One row per implementation and the library op (torch.addmm): host_us at TINY^3."""
+    A, B, C = make_operands(TINY, TINY, TINY, dtype)
+    host = per_call_us({name: gemm_call(f, A, B, C) for name, f in IMPLS.items()})
+    return [
+        {"impl": impl, "dtype": str(dtype)[6:], "layout": LAYOUT, "shape": [TINY] * 3,
+         "ms": None, "GBps": None, "TFLOPs": None, "pct_of_ceiling": None,
+         "vs_library": host["library"] / us, "host_us": us}
+        for impl, us in host.items()
+    ]  # fmt: skip
+
+
 def matmul_ceiling_tflops(size=8192):
     """torch.matmul on bfloat16 size^3: the rate of the matrix units as cuBLAS reaches it."""
     A = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -84,40 +138,63 @@ def matmul_ceiling_tflops(size=8192):
     return 2 * size**3 / ms / 1e9
 
 
-def plot(rows, ceiling, path):
+def plot_per_call(ax, rows, floors):
+    """Bars of microseconds per call, per implementation and dtype, with the run's floors."""
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    width = 0.8 / len(dtypes)
+    for i, dtype in enumerate(dtypes):
+        us = {r["impl"]: r["host_us"] for r in rows if r["dtype"] == dtype}
+        ax.bar([j + width * i for j in range(len(names))], [us[n] for n in names], width,
+               label=dtype)  # fmt: skip
+    for (name, value), style in zip(floors.items(), ("--", ":"), strict=True):
+        ax.axhline(value, color="gray", linestyle=style, label=name)
+    ax.set_xticks([j + width * (len(dtypes) - 1) / 2 for j in range(len(names))], names)
+    ax.set(ylabel="us per call", title=f"{KERNEL}: host cost per call, {TINY}^3, {LAYOUT}")
+    ax.legend(fontsize=7)
+
+
+def plot(rows, ceiling, floors, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(DTYPES), figsize=(6 * len(DTYPES), 4.5), sharey=True)
+    figure, axes = plt.subplots(1, len(DTYPES) + 1, figsize=(6 * (len(DTYPES) + 1), 4.5))
+    timed = [r for r in rows if r["ms"] is not None]
     labels = [f"{m}x{n}x{k}" for m, n, k in SHAPES]
-    for ax, dtype in zip(axes, DTYPES, strict=True):
+    for ax, dtype in zip(axes, DTYPES, strict=False):
+        if ax is not axes[0]:
+            ax.sharey(axes[0])
         for impl in IMPLS:
-            points = [r for r in rows if r["impl"] == impl and r["dtype"] == str(dtype)[6:]]
+            points = [r for r in timed if r["impl"] == impl and r["dtype"] == str(dtype)[6:]]
             ax.plot(range(len(points)), [r["TFLOPs"] for r in points], "o-", label=impl)
         ax.axhline(ceiling, color="gray", linestyle="--", label="torch.matmul bf16 8192^3")
-        ax.set(ylabel="TFLOP/s (2mnk)", title=f"{KERNEL}, {str(dtype)[6:]}, NN")
+        ax.set(ylabel="TFLOP/s (2mnk)", title=f"{KERNEL}, {str(dtype)[6:]}, {LAYOUT}")
         ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
         ax.grid(alpha=0.3)
     axes[0].legend()
+    plot_per_call(axes[-1], [r for r in rows if r["ms"] is None], floors)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main():
-    ceiling = matmul_ceiling_tflops()
+    ceiling, floors = matmul_ceiling_tflops(), per_call_floors()
     rows = []
     for dtype in DTYPES:
+        rows += per_call_rows(dtype)
+        for row in rows[-len(IMPLS) :]:
+            print(f"{row['impl']:7s} {row['dtype']:9s} per call {row['host_us']:6.1f} us")
         for m, n, k in SHAPES:
             A, B, C = make_operands(m, n, k, dtype)
             times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in IMPLS.items()})
             for impl, ms in times.items():
                 tflops = 2 * m * n * k / ms / 1e9
                 rows.append(
-                    {"impl": impl, "dtype": str(dtype)[6:], "shape": [m, n, k], "ms": ms,
-                     "GBps": None, "TFLOPs": tflops, "pct_of_ceiling": 100 * tflops / ceiling,
-                     "vs_library": times["library"] / ms}
+                    {"impl": impl, "dtype": str(dtype)[6:], "layout": LAYOUT, "shape": [m, n, k],
+                     "ms": ms, "GBps": None, "TFLOPs": tflops,
+                     "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"] / ms}
                 )  # fmt: skip
                 print(f"{impl:7s} {str(dtype)[6:]:9s} {m}x{n}x{k} {ms * 1e3:10.1f} us "
                       f"{tflops:6.1f} TFLOP/s {100 * tflops / ceiling:5.1f}% "
@@ -125,11 +202,13 @@ def main():
             del A, B, C
     results = {
         "device": torch.cuda.get_device_name(),
-        "ceilings": {"bf16_matmul_TFLOPs": ceiling},
+        "ceilings": {"bf16_matmul_TFLOPs": ceiling, **floors},
         "rows": rows,
     }
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(rows, ceiling, HERE / "perf.png")
+    plot(rows, ceiling, floors, HERE / "perf.png")
+    print(f"floors per call: torch {floors['torch_call_us']:.1f} us, Triton launch "
+          f"{floors['triton_launch_us']:.1f} us")  # fmt: skip
     print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s; wrote results.json and perf.png")
 
 

@@ -639,59 +639,43 @@ def hopper_kernel(
                 finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
 
 
-def strided_matrix(dtype, address, rows, cols, stride_rows, stride_cols):
-    """The (rows, cols) matrix at a raw address with runtime 64-bit strides: any layout."""
-    ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem)
-    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(stride_rows, stride_cols)))
-
-
-def aligned_matrix(dtype, address, rows, cols, stride_rows, stride_cols, contiguous_rows, vector):
-    """The (rows, cols) matrix whose contiguous dimension (the rows if contiguous_rows, else the
-    columns) gets the compile-time stride 1, and whose base and other stride are promised to be
-    multiples of `vector` elements (the caller checked): `vector` adjacent elements along the
-    contiguous dimension are then one aligned access, and TMA's 16-byte rules can be met."""
-    ptr = cute.make_ptr(
-        dtype, address, cute.AddressSpace.gmem, assumed_align=vector * dtype.width // 8
-    )
-    if cutlass.const_expr(contiguous_rows):
-        layout = cute.make_layout((rows, cols), stride=(1, cute.assume(stride_cols, divby=vector)))
+def placeholder(dtype, rows, cols, unit_dim=None, vector=1):
+    """What cute.compile sees of a (rows, cols) operand: its dtype, 64-bit symbolic sizes (the
+    caller shares one symbol between operands whose sizes must match, so each call checks
+    they do) and either two 64-bit symbolic strides on an element boundary (any layout), or
+    the constant stride 1 along `unit_dim` with the base and the other stride multiples of
+    `vector` elements: what a vector access or TMA relies on, promised at compile time. The
+    compiled function checks each call's tensors against it (dtype, device, alignment,
+    strides, sizes) and raises rather than run on a mismatch."""
+    if unit_dim is None:
+        stride = (cute.sym_int64(), cute.sym_int64())
     else:
-        layout = cute.make_layout((rows, cols), stride=(cute.assume(stride_rows, divby=vector), 1))
-    return cute.make_tensor(ptr, layout)
+        other = cute.sym_int64(divisibility=vector)
+        stride = (1, other) if unit_dim == 0 else (other, 1)
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (rows, cols), stride=stride, assumed_align=dtype.itemsize * vector
+    )
 
 
 @cute.jit
 def launch_plain(
-    a_address: cutlass.Int64,
-    b_address: cutlass.Int64,
-    c_address: cutlass.Int64,
-    m: cutlass.Int64,
-    n: cutlass.Int64,
-    k: cutlass.Int64,
-    stride_am: cutlass.Int64,
-    stride_ak: cutlass.Int64,
-    stride_bk: cutlass.Int64,
-    stride_bn: cutlass.Int64,
-    stride_cm: cutlass.Int64,
-    stride_cn: cutlass.Int64,
+    A: cute.Tensor,
+    B: cute.Tensor,
+    C: cute.Tensor,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
-    blocks: cutlass.Int32,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     read_ab: cutlass.Constexpr[bool],
     read_c: cutlass.Constexpr[bool],
     config: cutlass.Constexpr,
 ):
-    if cutlass.const_expr(config.vector_loads):
-        # Row-major, bases and row strides multiples of the vector (`vector_loads_ok`).
-        v = PLAIN_LOAD_VECTOR
-        A = aligned_matrix(dtype, a_address, m, k, stride_am, stride_ak, False, v)
-        B = aligned_matrix(dtype, b_address, k, n, stride_bk, stride_bn, False, v)
-    else:
-        A = strided_matrix(dtype, a_address, m, k, stride_am, stride_ak)
-        B = strided_matrix(dtype, b_address, k, n, stride_bk, stride_bn)
-    C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
+    # A, B and C arrive as torch tensors through TVM-FFI, with the layouts of `build_plain`:
+    # the vector build knows A's and B's column stride 1, their bases, row strides, n and k
+    # multiples of the vector (`vector_loads_ok`); the scalar build takes any strides.
+    # The sizes from cute.size, 64-bit: CuTe DSL 4.8.1 reads A.shape[0] back as 32 bits.
+    m, k = cutlass.Int64(cute.size(A, mode=[0])), cutlass.Int64(cute.size(A, mode=[1]))
+    n = cutlass.Int64(cute.size(B, mode=[1]))
+    blocks = cute.ceil_div(m, PLAIN_TILE) * cute.ceil_div(n, PLAIN_TILE)
     # Two blocks an SM also need their shared memory (2 x 33 KiB at tile_k = 16) carved out of
     # the SM's 256 KiB of L1: said as a percentage, so the compiler need not ask the device.
     carveout = {} if config.blocks_per_sm == 1 else {"preferred_smem_carveout": 50}
@@ -706,11 +690,11 @@ def vector_loads_ok(A, B):
     row-major, bases and row strides multiples of the vector, and k and n too (a vector is
     then wholly inside or wholly outside the matrix)."""
     v = PLAIN_LOAD_VECTOR
-    return all(
-        t.stride(1) == 1 and t.stride(0) % v == 0 and t.shape[1] % v == 0
-        and t.data_ptr() % (v * t.element_size()) == 0
-        for t in (A, B)
-    )  # fmt: skip
+    for t in (A, B):
+        (_, cols), (row_stride, col_stride) = t.shape, t.stride()
+        if col_stride != 1 or row_stride % v or cols % v or t.data_ptr() % (v * t.itemsize):
+            return False
+    return True
 
 
 class MmaTF32Op(MmaOp):
@@ -750,23 +734,13 @@ def make_tiled_mma(dtype, a_major, b_major, tile_n):
 
 @cute.jit
 def launch_hopper(
-    a_address: cutlass.Int64,
-    b_address: cutlass.Int64,
-    c_address: cutlass.Int64,
-    m: cutlass.Int32,
-    n: cutlass.Int32,
-    k: cutlass.Int32,
-    stride_am: cutlass.Int64,
-    stride_ak: cutlass.Int64,
-    stride_bk: cutlass.Int64,
-    stride_bn: cutlass.Int64,
-    stride_cm: cutlass.Int64,
-    stride_cn: cutlass.Int64,
+    A: cute.Tensor,
+    B: cute.Tensor,
+    C: cute.Tensor,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
     blocks: cutlass.Int32,
     stream: cuda.CUstream,
-    dtype: cutlass.Constexpr,
     a_k_major: cutlass.Constexpr[bool],
     b_k_major: cutlass.Constexpr[bool],
     tile_n: cutlass.Constexpr[int],
@@ -774,19 +748,20 @@ def launch_hopper(
     c_pairs: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
 ):
+    # A, B and C arrive as torch tensors through TVM-FFI, with the layouts of `build_hopper`:
+    # A and B with their stride-1 dimension known, bases and other strides on 16-byte
+    # boundaries (`tma_major`), which TMA needs; C with column stride 1 and an even row stride
+    # in the paired build (`in_pairs`), any strides otherwise.
+    dtype = A.element_type
     tile_k = TILE_K_BYTES * 8 // dtype.width
     stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
-    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. TMA takes them
-    # with the base and the other stride on 16-byte boundaries (`tma_major`).
-    tma_vector = TMA_ALIGN_BYTES * 8 // dtype.width
-    A = aligned_matrix(dtype, a_address, m, k, stride_am, stride_ak, not a_k_major, tma_vector)
-    B = aligned_matrix(dtype, b_address, n, k, stride_bn, stride_bk, not b_k_major, tma_vector)
-    if cutlass.const_expr(c_pairs):
-        # Row-major C whose rows start on a 2-element boundary (`in_pairs`): a thread's pair of
-        # adjacent columns is one access.
-        C = aligned_matrix(dtype, c_address, m, n, stride_cm, stride_cn, False, 2)
-    else:
-        C = strided_matrix(dtype, c_address, m, n, stride_cm, stride_cn)
+    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
+    # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
+    m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
+    n = cutlass.Int32(cute.size(B, mode=[1]))
+    A = cute.make_tensor(A.iterator, cute.make_layout((m, k), stride=A.stride))
+    B = cute.make_tensor(B.iterator, cute.make_layout((n, k), stride=B.stride[::-1]))
+    C = cute.make_tensor(C.iterator, cute.make_layout((m, n), stride=C.stride))
     a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
     b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
     tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
@@ -814,7 +789,7 @@ def launch_hopper(
 
 @functools.cache
 def sm_count(device):
-    """The number of SMs of a CUDA device (132 on the H200), asked once."""
+    """The number of SMs of CUDA device `device` (its index; 132 on the H200), asked once."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -827,19 +802,21 @@ def tma_major(t):
     """How TMA can load the matrix t: 'rows' when its rows are contiguous (stride 1 along a
     row), 'cols' when its columns are; the other stride and the base must be multiples of 16
     bytes and the dimensions below 2**31. None when TMA cannot."""
-    if max(t.shape) > TMA_MAX_DIM or t.data_ptr() % TMA_ALIGN_BYTES:
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    if rows > TMA_MAX_DIM or cols > TMA_MAX_DIM or t.data_ptr() % TMA_ALIGN_BYTES:
         return None
-    for along, across, name in ((1, 0, "rows"), (0, 1, "cols")):
-        other = t.stride(across) * t.element_size()
-        if t.stride(along) == 1 and other > 0 and other % TMA_ALIGN_BYTES == 0:
-            return name
+    if col_stride == 1 and row_stride > 0 and row_stride * t.itemsize % TMA_ALIGN_BYTES == 0:
+        return "rows"
+    if row_stride == 1 and col_stride > 0 and col_stride * t.itemsize % TMA_ALIGN_BYTES == 0:
+        return "cols"
     return None
 
 
 def in_pairs(C):
     """True when the Hopper epilogue may move C two adjacent columns at a time: rows of stride 1
     that start on a 2-element boundary."""
-    return C.stride(1) == 1 and C.stride(0) % 2 == 0 and C.data_ptr() % (2 * C.element_size()) == 0
+    row_stride, col_stride = C.stride()
+    return col_stride == 1 and row_stride % 2 == 0 and C.data_ptr() % (2 * C.itemsize) == 0
 
 
 def choose_kernel(A, B, allow_tf32):
@@ -855,34 +832,53 @@ def choose_kernel(A, B, allow_tf32):
 
 
 def build_plain(dtype, read_ab, read_c, config, options=""):
-    """cute.compile the plain launcher. The arguments are placeholders: only their types matter."""
+    """cute.compile the plain launcher for TVM-FFI calls on torch tensors, on the stream torch
+    has current for their device. A, B and C share the symbols m, n and k: each call checks
+    that their sizes match."""
+    # The vector build (`vector_loads_ok`): rows of stride 1; bases, row strides, n and k
+    # multiples of the vector, so that a vector lies wholly inside or wholly outside.
+    unit_dim, vector = (1, PLAIN_LOAD_VECTOR) if config.vector_loads else (None, 1)
+    m, n, k = cute.sym_int64(), cute.sym_int64(vector), cute.sym_int64(vector)
     return cute.compile(
-        launch_plain, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], read_ab, read_c, config,
-        options=options,
+        launch_plain,
+        placeholder(dtype, m, k, unit_dim, vector), placeholder(dtype, k, n, unit_dim, vector),
+        placeholder(dtype, m, n), 1.0, 1.0,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), read_ab, read_c, config,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m, options=""):
-    """cute.compile the Hopper launcher (placeholder arguments, as build_plain)."""
+    """cute.compile the Hopper launcher for TVM-FFI calls (as build_plain). A and B get the
+    stride 1 along their contiguous dimension (k if K-major) and 16-byte aligned bases and
+    other strides, which TMA needs; C the pairs' layout if c_pairs."""
+    m, n, k = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
+    tma_vector = TMA_ALIGN_BYTES // dtype.itemsize
+    A = placeholder(dtype, m, k, 1 if a_k_major else 0, tma_vector)
+    B = placeholder(dtype, k, n, 0 if b_k_major else 1, tma_vector)
+    C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
     return cute.compile(
-        launch_hopper, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(), TORCH_TO_CUTLASS[dtype], a_k_major, b_k_major, tile_n,
-        read_c, c_pairs, cluster_m, options=options,
+        launch_hopper, A, B, C, 1.0, 1.0, 1,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_n,
+        read_c, c_pairs, cluster_m, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
 def compile_plain(dtype, read_ab, read_c, config):
-    """The plain kernel for torch `dtype`, built once (seconds) and cached; needs no GPU."""
-    return build_plain(dtype, read_ab, read_c, config)
+    """The plain kernel for torch `dtype`, built once (seconds) and cached; needs no GPU. What
+    is cached is the TVM-FFI function itself, which takes torch tensors and checks them
+    against its build."""
+    return build_plain(dtype, read_ab, read_c, config).__tvm_ffi_object__()
 
 
 @functools.cache
 def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m):
     """The Hopper kernel for `dtype`, operand majorness, epilogue and cluster size, built once
-    and cached."""
-    return build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
+    and cached (the TVM-FFI function, as compile_plain)."""
+    return build_hopper(
+        dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m
+    ).__tvm_ffi_object__()
 
 
 def ptx_of(
@@ -905,7 +901,7 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     kernel runs in clusters of `cluster_m` blocks along m (1 or 2) that share each B tile; a C
     of one tile row (m <= 128) takes clusters of 1, whose partner would only compute zeros."""
     check_operands(alpha, A, B, beta, C)
-    if C.device.type != "cuda":
+    if not C.is_cuda:
         raise ValueError(f"A, B and C are on {C.device}; the CuTe kernel needs CUDA tensors")
     (m, k), n = A.shape, B.shape[1]
     if m == 0 or n == 0:
@@ -913,6 +909,10 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     read_ab, read_c = alpha32 != 0.0 and k > 0, beta32 != 0.0
     choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
+    # TVM-FFI launches on torch's current stream of C's GPU: ordered with the caller's torch
+    # work and capturable by a CUDA graph (call once before capturing: the first call loads
+    # the module). alpha32 and beta32 are float32 numbers, so their Float32 parameters hold
+    # them exactly.
     if choice[0] == "hopper":
         _, a_k_major, b_k_major = choice
         tile_n = hopper_tile_n(m, n)
@@ -922,17 +922,9 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
         )
         # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters.
         cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
-        blocks = cluster_m * min(cluster_tiles, sm_count(C.device) // cluster_m)
+        blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
+        kernel(A, B, C, alpha32, beta32, blocks)
     else:
         config = PLAIN_VECTORS if read_ab and vector_loads_ok(A, B) else PLAIN_SCALARS
-        kernel = compile_plain(A.dtype, read_ab, read_c, config)
-        blocks = ceil_div(m, PLAIN_TILE) * ceil_div(n, PLAIN_TILE)
-    # Launch on torch's current stream of C's GPU: ordered with the caller's torch work,
-    # capturable by a CUDA graph (call once before capturing: the first call loads the module).
-    with torch.cuda.device(C.device):
-        kernel(
-            A.data_ptr(), B.data_ptr(), C.data_ptr(), m, n, k, A.stride(0), A.stride(1),
-            B.stride(0), B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, blocks,
-            cuda.CUstream(torch.cuda.current_stream(C.device).cuda_stream),
-        )  # fmt: skip
+        compile_plain(A.dtype, read_ab, read_c, config)(A, B, C, alpha32, beta32)
     return C

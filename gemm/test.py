@@ -423,6 +423,36 @@ def test_repeatability(impl, dtype):
     assert_same_bits(second, first)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the in-place call replays on
+    fresh A, B and C with the bits of an eager call on a copy of the same C: the launcher works
+    on the stream torch has current and does nothing outside it that a capture would miss.
+    Row-major rows of 16-byte multiples: the TMA kernels for 16-bit data (CuTe's Hopper kernel
+    in clusters of 2, Triton's persistent one), the plain kernels for IEEE float32."""
+    gemm = implementation(impl)
+    m, n, k = 300, 264, 136
+    A, B, C = operands(m, n, k, dtype, "NN")
+    assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
+    if impl == "cute":
+        kind = "plain" if dtype == torch.float32 else "hopper"
+        assert cute_impl.choose_kernel(A, B, False)[0] == kind
+    gemm(ALPHA, A, B, BETA, C)  # the first call compiles and loads the kernel: no capture can
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(ALPHA, A, B, BETA, C)
+    A.copy_(random_matrix(m, k, dtype))
+    B.copy_(random_matrix(k, n, dtype))
+    C.copy_(random_matrix(m, n, dtype))
+    eager = C.clone()
+    graph.replay()
+    gemm(ALPHA, A, B, BETA, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(C, eager, "replayed against eager")
+
+
 def tf32(values):
     """float32 values rounded to TF32's 11 significant bits, to nearest (ties away), as floats."""
     bits = values.float().contiguous().view(torch.int32)
@@ -913,6 +943,24 @@ def test_cute_validates_before_any_cuda_call(monkeypatch):
     if ON_GPU:
         empty = torch.empty(0, 5, device="cuda")
         assert cute_impl.gemm(1.0, A[:0].cuda(), B.cuda(), 1.0, empty) is empty
+
+
+@needs_cute
+def test_cute_build_is_a_tvm_ffi_function_over_tensors():
+    """What gemm caches and calls is the TVM-FFI function over torch tensors: A (m, k), B (k, n)
+    and C (m, n) share their size symbols, so each call checks that they agree, and alpha and
+    beta are float32 parameters. It refuses CPU tensors itself, before any launch (gemm refuses
+    them first, with its own message)."""
+    plain = cute_impl.compile_plain(torch.float32, True, True, cute_impl.PLAIN_SCALARS)
+    A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
+    signature = (
+        r"launch_plain\(A: Tensor\(\[(n\d), (n\d)\], float32\), B: Tensor\(\[\2, (n\d)\], "
+        r"float32\), C: Tensor\(\[\1, \3\], float32\), alpha: float32, beta: float32\)"
+    )
+    before = C.clone()
+    with pytest.raises(ValueError, match=signature + ".*expected device_type=cuda"):
+        plain(A, B, C, 1.0, 0.5)
+    assert_same_bits(C, before, "C after a refused call")
 
 
 HOPPER_SHAPES = [
