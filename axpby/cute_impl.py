@@ -18,7 +18,7 @@ multiplies and an add per element are nothing next to that: the time is bounded 
 
 How the loop over i is mapped onto the GPU
 ------------------------------------------
-* A block of 256 threads owns one tile of consecutive elements, 64 bytes per thread: 16 KiB per
+* A block of 256 threads owns one tile of consecutive elements, 16 bytes per thread: 4 KiB per
   block and operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
 * Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
   elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at

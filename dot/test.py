@@ -10,7 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,15 +22,22 @@ if not ON_GPU:
 import reference
 import torch_impl
 import triton_impl
-from common.tolerance import (
-    assert_matches_rounded,
-    assert_same_bits,
-    assert_within_bound,
-    gamma,
-    store_roundoff,
-    underflow,
-    unit_roundoff,
-)
+
+try:
+    from common.tolerance import (
+        assert_matches_rounded,
+        assert_same_bits,
+        assert_within_bound,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not beside "
+        f"this folder: copy the course's common/ folder beside it, to {HERE.parent / 'common'}"
+    ) from error
 
 try:
     import cute_impl
@@ -44,47 +50,6 @@ IMPLS = ["torch", "triton", "cute"]
 # 0, 1, primes, 2**k +- 1 and the edges of the Triton block (4096 elements).
 SIZES = [0, 1, 2, 3, 7, 31, 127, 128, 129, 1023, 1025, 4095, 4096, 4097, 8191, 8193, 65537]
 U32 = unit_roundoff(torch.float32)
-
-
-def convert_bfloat16_like_the_gpu():
-    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
-    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
-    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
-    or the CPU run would check the wrong arithmetic."""
-    from triton.runtime import interpreter
-
-    tl, convert = interpreter.tl, interpreter._convert_float
-
-    def exact(values, src, dst, rounding_mode):
-        values = np.ascontiguousarray(values)
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy()
-        if src == tl.bfloat16 and dst == tl.float32:
-            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
-        return convert(values, src, dst, rounding_mode)
-
-    interpreter._convert_float = exact
-
-
-def index_scalars_with_item():
-    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
-    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
-    over runtime bounds, such as pass 1's `range(chunk_start, ...)`, fails. Use .item()."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_with_item(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
-
-    interpreter._patch_lang_tensor = patch_with_item
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    convert_bfloat16_like_the_gpu()
-    index_scalars_with_item()
 
 
 def entry_point(name):

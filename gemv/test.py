@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,15 +24,22 @@ if not ON_GPU:
 import reference
 import torch_impl
 import triton_impl
-from common.tolerance import (
-    assert_matches_rounded,
-    assert_same_bits,
-    assert_within_bound,
-    gamma,
-    store_roundoff,
-    underflow,
-    unit_roundoff,
-)
+
+try:
+    from common.tolerance import (
+        assert_matches_rounded,
+        assert_same_bits,
+        assert_within_bound,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not beside "
+        f"this folder: copy the course's common/ folder beside it, to {HERE.parent / 'common'}"
+    ) from error
 
 try:
     import cute_impl
@@ -61,47 +67,6 @@ U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
 TORCH_EXTRA_ROUNDINGS = 1
 # reference.py's own error, in units of W_i = |alpha| T_i + |beta y_i| (its docstring).
 REFERENCE_ERROR = gamma(3, U64)
-
-
-def convert_bfloat16_like_the_gpu():
-    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
-    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
-    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
-    or the CPU run would check the wrong arithmetic."""
-    from triton.runtime import interpreter
-
-    tl, convert = interpreter.tl, interpreter._convert_float
-
-    def exact(values, src, dst, rounding_mode):
-        values = np.ascontiguousarray(values)
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy()
-        if src == tl.bfloat16 and dst == tl.float32:
-            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
-        return convert(values, src, dst, rounding_mode)
-
-    interpreter._convert_float = exact
-
-
-def index_scalars_with_item():
-    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
-    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
-    over runtime bounds, such as the kernel's walk along the columns, fails. Use .item()."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_with_item(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
-
-    interpreter._patch_lang_tensor = patch_with_item
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    convert_bfloat16_like_the_gpu()
-    index_scalars_with_item()
 
 
 def entry_point(name):

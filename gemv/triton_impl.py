@@ -14,13 +14,13 @@ shape: the same inputs give the same bits on every run.
 What differs between a row-major and a column-major A is only the tile's shape, because a
 warp reads fast only when its threads touch adjacent addresses (README.md, "Two mappings"):
 
-row-major    the rows are contiguous: a wide tile, 16 rows by 1 KiB of columns, whose rows
-             are read as runs of 16-byte vectors; the lanes of a row sit in different threads
-             and the final tree crosses them.
+row-major    the rows are contiguous: a wide tile, 16 rows by 1 KiB (float32) or 2 KiB (16-bit)
+             of each row, read as runs of 16-byte vectors; the lanes of a row sit in
+             different threads and the final tree crosses them.
 column-major the columns are contiguous: a tall tile, 32 rows (one 128-byte cache line of each
-             float32 column, half a line of 16-bit data) by 16 KiB of columns; each thread
-             holds a few rows of several columns, so most of its accumulation is over
-             columns inside its own registers.
+             float32 column, half a line of 16-bit data) by 128 columns; each thread holds a
+             few rows of several columns, so most of its accumulation is over columns inside
+             its own registers.
 
 Triton picks which threads hold which elements from the strides it sees (a stride of 1 is
 specialised at compile time), so one kernel, `gemv_kernel`, serves both.
@@ -220,6 +220,39 @@ TMA_LAUNCH = {
 
 # Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch_triton_interpreter():
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes; called at import only
+    under TRITON_INTERPRET=1, so the GPU path never runs it. With numpy 2.4 the interpreter fails
+    where it makes a Python int of a scalar (a one-element array) with int(array): numpy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
+    runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
+    truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
+    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, convert = interpreter._patch_lang_tensor, interpreter._convert_float
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._patch_lang_tensor, interpreter._convert_float = patch_with_item, exact
+
+
+if INTERPRETED:
+    patch_triton_interpreter()
 
 
 class Address:

@@ -29,14 +29,21 @@ if not ON_GPU:
 import reference
 import torch_impl
 import triton_impl
-from common import tolerance
-from common.tolerance import (
-    assert_same_bits,
-    gamma,
-    store_roundoff,
-    underflow,
-    unit_roundoff,
-)
+
+try:
+    from common import tolerance
+    from common.tolerance import (
+        assert_same_bits,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not beside "
+        f"this folder: copy the course's common/ folder beside it, to {HERE.parent / 'common'}"
+    ) from error
 
 try:
     import cute_impl
@@ -61,31 +68,6 @@ CASES = [(shape, layout) for shape in SHAPES for layout in ("row", "col")] + [
     for layout in LAYOUTS[2:]
 ]
 MARGIN = 64  # elements of poison before and after the matrix: 16-byte aligned for every dtype
-
-
-def convert_bfloat16_like_the_gpu():
-    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
-    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
-    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
-    or the CPU run would check the wrong arithmetic."""
-    from triton.runtime import interpreter
-
-    tl, convert = interpreter.tl, interpreter._convert_float
-
-    def exact(values, src, dst, rounding_mode):
-        values = np.ascontiguousarray(values)
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy()
-        if src == tl.bfloat16 and dst == tl.float32:
-            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
-        return convert(values, src, dst, rounding_mode)
-
-    interpreter._convert_float = exact
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    convert_bfloat16_like_the_gpu()
 
 
 def entry_point(name):

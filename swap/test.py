@@ -22,7 +22,14 @@ if not ON_GPU:
 import reference
 import torch_impl
 import triton_impl
-from common.tolerance import assert_matches_rounded, assert_same_bits
+
+try:
+    from common.tolerance import assert_matches_rounded, assert_same_bits
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not beside "
+        f"this folder: copy the course's common/ folder beside it, to {HERE.parent / 'common'}"
+    ) from error
 
 try:
     import cute_impl
