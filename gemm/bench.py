@@ -13,7 +13,10 @@ at full tensor-core rate the H200's clock follows its power and temperature, so 
 first on a cool card would otherwise be favoured by a few percent.
 The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
 library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
-measured when it can be imported. Every row says its layout: "NN" (A and B row-major).
+measured when it can be imported, and at STEP_CASES each step of its lesson too, as its own row
+("cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm) in the same rotated
+rounds, for README.md's "what each CuTe step gained". Every row says its layout: "NN" (A and
+B row-major).
 
 The per-call rows time the host path: the wall time of CALLS back-to-back calls at TINY^3, where
 the GPU work is far shorter than the Python and driver work of a call, for every implementation
@@ -46,10 +49,14 @@ def library_gemm(alpha, A, B, beta, C):
 
 
 IMPLS = {"library": library_gemm, "torch": torch_impl.gemm, "triton": triton_impl.gemm}
+STEPS = {}  # the CuTe lesson's steps, timed at STEP_CASES only
 try:
+    import cute_1_tiled
+    import cute_2_tma_wgmma
     import cute_impl
 
     IMPLS["cute"] = cute_impl.gemm
+    STEPS = {"cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm}
 except ImportError as error:
     print(f"cute_impl is not measured: {error}")
 SQUARES = [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -57,6 +64,13 @@ SHAPES = [(s, s, s) for s in SQUARES] + [
     (16384, n, k) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (dtype, shape) where each step is timed beside cute: the sizes of the step table. Step 1 takes
+# bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in both steps.
+STEP_CASES = {
+    (torch.bfloat16, (4096, 4096, 4096)),
+    (torch.bfloat16, (8192, 8192, 8192)),
+    (torch.float32, (4096, 4096, 4096)),
+}
 
 
 def make_operands(m, n, k, dtype):
@@ -188,7 +202,8 @@ def main():
             print(f"{row['impl']:7s} {row['dtype']:9s} per call {row['host_us']:6.1f} us")
         for m, n, k in SHAPES:
             A, B, C = make_operands(m, n, k, dtype)
-            times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in IMPLS.items()})
+            impls = IMPLS | (STEPS if (dtype, (m, n, k)) in STEP_CASES else {})
+            times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in impls.items()})
             for impl, ms in times.items():
                 tflops = 2 * m * n * k / ms / 1e9
                 rows.append(
@@ -196,7 +211,7 @@ def main():
                      "ms": ms, "GBps": None, "TFLOPs": tflops,
                      "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"] / ms}
                 )  # fmt: skip
-                print(f"{impl:7s} {str(dtype)[6:]:9s} {m}x{n}x{k} {ms * 1e3:10.1f} us "
+                print(f"{impl:10s} {str(dtype)[6:]:9s} {m}x{n}x{k} {ms * 1e3:10.1f} us "
                       f"{tflops:6.1f} TFLOP/s {100 * tflops / ceiling:5.1f}% "
                       f"x{times['library'] / ms:.2f} vs torch.addmm")  # fmt: skip
             del A, B, C

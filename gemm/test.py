@@ -24,17 +24,26 @@ if not ON_GPU:
 import reference
 import torch_impl
 import triton_impl
-from common.tolerance import (
-    assert_matches_rounded,
-    assert_same_bits,
-    assert_within_bound,
-    gamma,
-    store_roundoff,
-    underflow,
-    unit_roundoff,
-)
 
 try:
+    from common.tolerance import (
+        assert_matches_rounded,
+        assert_same_bits,
+        assert_within_bound,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not beside "
+        f"this folder: copy the course's common/ folder beside it, to {HERE.parent / 'common'}"
+    ) from error
+
+try:
+    import cute_1_tiled as cute_step1
+    import cute_2_tma_wgmma as cute_step2
     import cute_impl
 except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
@@ -42,6 +51,9 @@ except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests sk
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
+# The steps of the CuTe lesson, each with its own gemm (README.md, "CuTe: from a plain tiled
+# kernel to a Hopper kernel"); "cute" is cute_impl, which runs the last one.
+CUTE_STEPS = ["cute.step1", "cute.step2"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
 # (m, n, k): 1x1x1, primes, and the edges of Triton's 64 x 64 tiles, of the CuTe plain
@@ -64,58 +76,20 @@ TORCH_EXTRA_ROUNDINGS = 2
 REFERENCE_ERROR = gamma(3, U64)
 
 
-def convert_bfloat16_like_the_gpu():
-    """Triton 3.6's interpreter converts float32 <-> bfloat16 bit by bit in numpy: it truncates
-    on the way down (its 'rtne' option rounds half up) and mangles subnormals. The GPU rounds to
-    nearest even and keeps subnormals, so swap in torch's exact conversions for these two cases,
-    or the CPU run would check the wrong arithmetic."""
-    from triton.runtime import interpreter
-
-    tl, convert = interpreter.tl, interpreter._convert_float
-
-    def exact(values, src, dst, rounding_mode):
-        values = np.ascontiguousarray(values)
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy()
-        if src == tl.bfloat16 and dst == tl.float32:
-            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
-        return convert(values, src, dst, rounding_mode)
-
-    interpreter._convert_float = exact
-
-
-def index_scalars_with_item():
-    """Triton 3.6's interpreter holds every scalar as a one-element numpy array and makes a Python
-    int of it with int(array), which numpy 2.4 refuses for arrays that are not 0-dim: a loop
-    over runtime bounds, such as the kernel's walk along k, fails. Use .item()."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_with_item(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
-
-    interpreter._patch_lang_tensor = patch_with_item
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    convert_bfloat16_like_the_gpu()
-    index_scalars_with_item()
-
-
 def entry_point(name):
-    """The implementation's gemm. CuTe's can be called without a GPU: it validates, then refuses."""
-    if name == "cute" and cute_impl is None:
-        pytest.skip(CUTE_MISSING)
+    """The implementation's gemm ("cute.step1" and "cute.step2": that step's). CuTe's can be
+    called without a GPU: it validates, then refuses."""
+    if name.startswith("cute"):
+        if cute_impl is None:
+            pytest.skip(CUTE_MISSING)
+        return {"cute": cute_impl, "cute.step1": cute_step1, "cute.step2": cute_step2}[name].gemm
     modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
-    return cute_impl.gemm if name == "cute" else modules[name].gemm
+    return modules[name].gemm
 
 
 def implementation(name):
     """The implementation's gemm, for tests that launch it."""
-    if name == "cute" and not ON_GPU:
+    if name.startswith("cute") and not ON_GPU:
         pytest.skip("launching a CuTe kernel needs a CUDA GPU")
     return entry_point(name)
 
@@ -438,7 +412,7 @@ def test_cuda_graph_replays_the_eager_call(impl, dtype):
     assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
     if impl == "cute":
         kind = "plain" if dtype == torch.float32 else "hopper"
-        assert cute_impl.choose_kernel(A, B, False)[0] == kind
+        assert cute_step2.choose_kernel(A, B, False)[0] == kind
     gemm(ALPHA, A, B, BETA, C)  # the first call compiles and loads the kernel: no capture can
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -821,7 +795,7 @@ def test_cute_hopper_ptx(dtype, majors):
     splits the block into producer and consumers (setmaxnreg)."""
     if dtype == torch.float32 and majors != (True, True):
         pytest.skip("TF32 wgmma takes K-major operands only; float32 goes to the plain kernel")
-    ptx = cute_impl.ptx_of("hopper", dtype, *majors, tile_n=128)
+    ptx = cute_step2.ptx_of(dtype, *majors, tile_n=128)
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg"):
         assert instruction in ptx, instruction
     kind = {torch.float32: "tf32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
@@ -833,7 +807,7 @@ def test_cute_hopper_ptx(dtype, majors):
 def test_cute_hopper_reads_c_only_if_beta(read_c):
     """A and B arrive by TMA, so the only plain global loads of the Hopper build are of C, and
     the beta == 0 build has none."""
-    ptx = cute_impl.ptx_of("hopper", torch.bfloat16, tile_n=256, read_c=read_c)
+    ptx = cute_step2.ptx_of(torch.bfloat16, tile_n=256, read_c=read_c)
     assert ("ld.global" in ptx) == read_c
 
 
@@ -842,15 +816,15 @@ def test_cute_hopper_epilogue_in_pairs():
     """A row-major C whose rows start on 2-element boundaries gets the paired epilogue on whole
     tiles: two adjacent columns per load and store (ld.global.v2 of two bf16, st.global.b32),
     and still one element at a time on the edge tiles; any other C, one element at a time."""
-    pairs = cute_impl.ptx_of("hopper", torch.bfloat16, c_pairs=True)
-    single = cute_impl.ptx_of("hopper", torch.bfloat16, c_pairs=False)
+    pairs = cute_step2.ptx_of(torch.bfloat16, c_pairs=True)
+    single = cute_step2.ptx_of(torch.bfloat16, c_pairs=False)
     assert "ld.global.v2.b16" in pairs and "st.global.b32" in pairs
     assert "ld.global.b16" in pairs and "st.global.b16" in pairs
     assert "ld.global.v2" not in single and "st.global.b32" not in single
     C = torch.empty(6, 8)
-    assert cute_impl.in_pairs(C) and cute_impl.in_pairs(C[:, :5])
-    assert not cute_impl.in_pairs(C.T) and not cute_impl.in_pairs(C[:, 1:])
-    assert not cute_impl.in_pairs(torch.empty(6, 7)[:, :5])  # rows 7 elements apart
+    assert cute_step2.in_pairs(C) and cute_step2.in_pairs(C[:, :5])
+    assert not cute_step2.in_pairs(C.T) and not cute_step2.in_pairs(C[:, 1:])
+    assert not cute_step2.in_pairs(torch.empty(6, 7)[:, :5])  # rows 7 elements apart
 
 
 @needs_cute
@@ -859,23 +833,23 @@ def test_cute_plain_ptx(dtype):
     """The plain kernel is FMAs on the CUDA cores, IEEE float32 for float32: no wgmma, no TMA;
     its alpha == 0 build loads nothing but C (its thread's 8 x 8 elements, no tiles in shared
     memory), and with beta == 0 nothing at all; shared memory is read as 128-bit vectors."""
-    ptx = cute_impl.ptx_of("plain", dtype)
+    ptx = cute_step1.ptx_of(dtype)
     assert "fma.rn.f32" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
     assert "ld.shared.v4" in ptx
-    no_ab = cute_impl.ptx_of("plain", dtype, read_ab=False)
+    no_ab = cute_step1.ptx_of(dtype, read_ab=False)
     assert "ld.shared" not in no_ab and "bar.sync" not in no_ab
-    assert no_ab.count("ld.global") == cute_impl.PLAIN_PER_THREAD**2
-    assert "ld.global" not in cute_impl.ptx_of("plain", dtype, read_ab=False, read_c=False)
+    assert no_ab.count("ld.global") == cute_step1.PLAIN_PER_THREAD**2
+    assert "ld.global" not in cute_step1.ptx_of(dtype, read_ab=False, read_c=False)
 
 
 @needs_cute
 def test_cute_plain_vector_build():
     """Row-major A and B whose bases, row strides, k and n are multiples of 4 take the build
     that loads 4 adjacent float32 as one ld.global.v4.b32; anything else the scalar build."""
-    vectors = cute_impl.ptx_of("plain", torch.float32, config=cute_impl.PLAIN_VECTORS)
-    scalars = cute_impl.ptx_of("plain", torch.float32, config=cute_impl.PLAIN_SCALARS)
+    vectors = cute_step1.ptx_of(torch.float32, config=cute_step1.PLAIN_VECTORS)
+    scalars = cute_step1.ptx_of(torch.float32, config=cute_step1.PLAIN_SCALARS)
     assert "ld.global.v4.b32" in vectors and "ld.global.v4" not in scalars
-    ok = cute_impl.vector_loads_ok
+    ok = cute_step1.vector_loads_ok
     A, B = torch.randn(6, 8), torch.randn(8, 12)
     assert ok(A, B) and ok(A[:, :4], B[:4])
     assert not ok(A[:, :7], B[:7])  # k = 7: a vector would straddle the edge
@@ -888,8 +862,8 @@ def test_cute_plain_vector_build():
 def test_cute_hopper_cluster_ptx():
     """Clusters of 2 blocks along m load B with a multicast TMA copy and release each stage on
     the partner's "empty" barrier too; clusters of 1 do neither."""
-    pair = cute_impl.ptx_of("hopper", torch.bfloat16, cluster_m=2)
-    single = cute_impl.ptx_of("hopper", torch.bfloat16, cluster_m=1)
+    pair = cute_step2.ptx_of(torch.bfloat16, cluster_m=2)
+    single = cute_step2.ptx_of(torch.bfloat16, cluster_m=1)
     assert ".multicast::cluster" in pair and "mbarrier.arrive.shared::cluster" in pair
     assert ".multicast::cluster" not in single
 
@@ -905,8 +879,8 @@ def padded_matrix(rows, cols, dtype, transposed, device=DEVICE):
 
 @needs_cute
 def test_cute_dispatch():
-    """Which kernel takes which operands (the docstring's rules), read on CPU tensors."""
-    choose = cute_impl.choose_kernel
+    """Which kernel takes which operands (choose_kernel's rules), read on CPU tensors."""
+    choose = cute_step2.choose_kernel
     for a_t, b_t in ((False, False), (False, True), (True, False), (True, True)):
         A = padded_matrix(37, 21, torch.bfloat16, a_t, "cpu")
         B = padded_matrix(21, 45, torch.bfloat16, b_t, "cpu")
@@ -926,23 +900,35 @@ def test_cute_dispatch():
 
 
 @needs_cute
-def test_cute_validates_before_any_cuda_call(monkeypatch):
+@pytest.mark.parametrize("impl", ["cute", *CUTE_STEPS])
+def test_cute_validates_before_any_cuda_call(monkeypatch, impl):
     """Bad operands raise check_operands' error and CPU tensors a ValueError, before a kernel is
-    compiled or a CUDA API is touched; m == 0 returns C without a launch."""
+    compiled or a CUDA API is touched; m == 0 returns C without a launch. So does each step."""
 
     def no_kernel(*args):
         raise AssertionError("a kernel was built")
 
-    monkeypatch.setattr(cute_impl, "compile_plain", no_kernel)
-    monkeypatch.setattr(cute_impl, "compile_hopper", no_kernel)
+    monkeypatch.setattr(cute_step1, "compile_plain", no_kernel)
+    monkeypatch.setattr(cute_step2, "compile_hopper", no_kernel)
+    gemm = entry_point(impl)
     A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        cute_impl.gemm(1.0, A, B, 1.0, C)
+        gemm(1.0, A, B, 1.0, C)
     with pytest.raises(ValueError, match="B has 5 rows"):
-        cute_impl.gemm(1.0, A, torch.randn(5, 5), 1.0, C)
+        gemm(1.0, A, torch.randn(5, 5), 1.0, C)
     if ON_GPU:
         empty = torch.empty(0, 5, device="cuda")
-        assert cute_impl.gemm(1.0, A[:0].cuda(), B.cuda(), 1.0, empty) is empty
+        assert gemm(1.0, A[:0].cuda(), B.cuda(), 1.0, empty) is empty
+
+
+@needs_cute
+def test_cute_impl_runs_the_last_step(monkeypatch):
+    """cute_impl.gemm is the last step's gemm, its arguments passed on unchanged."""
+    calls = []
+    monkeypatch.setattr(cute_step2, "gemm", lambda *args, **kwargs: calls.append((args, kwargs)))
+    A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
+    cute_impl.gemm(0.5, A, B, 2.0, C, allow_tf32=True, cluster_m=1)
+    assert calls == [((0.5, A, B, 2.0, C), {"allow_tf32": True, "cluster_m": 1})]
 
 
 @needs_cute
@@ -951,7 +937,7 @@ def test_cute_build_is_a_tvm_ffi_function_over_tensors():
     and C (m, n) share their size symbols, so each call checks that they agree, and alpha and
     beta are float32 parameters. It refuses CPU tensors itself, before any launch (gemm refuses
     them first, with its own message)."""
-    plain = cute_impl.compile_plain(torch.float32, True, True, cute_impl.PLAIN_SCALARS)
+    plain = cute_step1.compile_plain(torch.float32, True, True, cute_step1.PLAIN_SCALARS)
     A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
     signature = (
         r"launch_plain\(A: Tensor\(\[(n\d), (n\d)\], float32\), B: Tensor\(\[\2, (n\d)\], "
@@ -961,6 +947,30 @@ def test_cute_build_is_a_tvm_ffi_function_over_tensors():
     with pytest.raises(ValueError, match=signature + ".*expected device_type=cuda"):
         plain(A, B, C, 1.0, 0.5)
     assert_same_bits(C, before, "C after a refused call")
+
+
+# Each step of the CuTe lesson on its own: m, n and k of 1, primes, one past a tile of either
+# kernel, and a k that ends on a partial k step of both.
+STEP_SHAPES = [(1, 1, 1), (13, 11, 31), (129, 130, 9), (136, 264, 72)]
+
+
+@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("layout", ["NN", "NT", "TT"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", STEP_SHAPES, ids=str)
+def test_cute_step_matches_reference(step, layout, dtype, shape):
+    """Each step's gemm lands within the bound, on operands whose strides TMA accepts: step 1
+    runs everything on the plain kernel, step 2 runs 16-bit data and float32 with TF32 (asked
+    for on NT, where A and B are K-major) on the Hopper kernel and IEEE float32 on step 1's."""
+    implementation(step)  # skips without a GPU
+    m, n, k = shape
+    A = padded_matrix(m, k, dtype, layout[0] == "T")
+    B = padded_matrix(k, n, dtype, layout[1] == "T")
+    tf32 = dtype == torch.float32 and layout == "NT"
+    tensor_cores = dtype != torch.float32 or tf32
+    assert cute_step2.choose_kernel(A, B, tf32)[0] == ("hopper" if tensor_cores else "plain")
+    C = padded_matrix(m, n, dtype, False)
+    check(step, ALPHA, A, B, BETA, C, f"{layout} tf32={tf32}", tf32)
 
 
 HOPPER_SHAPES = [
@@ -979,12 +989,12 @@ def test_cute_hopper_edges(monkeypatch, tile_n, layout, dtype, shape):
     SMs' worth of blocks, so that a block computes several tiles and the ring of buffers runs
     on from one tile to the next."""
     implementation("cute")  # skips without a GPU
-    monkeypatch.setattr(cute_impl, "hopper_tile_n", lambda m, n: tile_n)
-    monkeypatch.setattr(cute_impl, "sm_count", lambda device: 3)
+    monkeypatch.setattr(cute_step2, "hopper_tile_n", lambda m, n: tile_n)
+    monkeypatch.setattr(cute_step2, "sm_count", lambda device: 3)
     m, n, k = shape
     A = padded_matrix(m, k, dtype, layout[0] == "T")
     B = padded_matrix(k, n, dtype, layout[1] == "T")
-    assert cute_impl.choose_kernel(A, B, False)[0] == "hopper"
+    assert cute_step2.choose_kernel(A, B, False)[0] == "hopper"
     check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, dtype, False), f"{layout} hopper")
 
 
@@ -999,7 +1009,7 @@ def test_cute_hopper_epilogues_agree(dtype):
     B = padded_matrix(k, n, dtype, dtype == torch.float32)  # TF32 takes B column-major
     C_even = padded_matrix(m, n, dtype, False)
     C_odd = torch.empty(m, n + 1, device=DEVICE, dtype=dtype)[:, :n].copy_(C_even)
-    assert cute_impl.in_pairs(C_even) and not cute_impl.in_pairs(C_odd)
+    assert cute_step2.in_pairs(C_even) and not cute_step2.in_pairs(C_odd)
     tf32 = dtype == torch.float32
     for C in (C_even, C_odd):
         cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
@@ -1030,7 +1040,7 @@ def test_cute_plain_builds_agree():
     A = torch.randn(m, k, device=DEVICE)
     B = torch.randn(k, n, device=DEVICE)
     A_odd = torch.empty(m, k + 1, device=DEVICE)[:, :k].copy_(A)
-    assert cute_impl.vector_loads_ok(A, B) and not cute_impl.vector_loads_ok(A_odd, B)
+    assert cute_step1.vector_loads_ok(A, B) and not cute_step1.vector_loads_ok(A_odd, B)
     C_vectors = torch.randn(m, n, device=DEVICE)
     C_scalars = C_vectors.clone()
     cute_impl.gemm(ALPHA, A, B, BETA, C_vectors)
@@ -1044,11 +1054,11 @@ def test_cute_hopper_tf32(monkeypatch, shape):
     TF32 bound; the corner cases beta == 0 over NaN and a transposed C on the same kernel.
     Three blocks, each computing several tiles where there are more."""
     implementation("cute")  # skips without a GPU
-    monkeypatch.setattr(cute_impl, "sm_count", lambda device: 3)
+    monkeypatch.setattr(cute_step2, "sm_count", lambda device: 3)
     m, n, k = shape
     A = padded_matrix(m, k, torch.float32, False)
     B = padded_matrix(k, n, torch.float32, True)
-    assert cute_impl.choose_kernel(A, B, True)[0] == "hopper"
+    assert cute_step2.choose_kernel(A, B, True)[0] == "hopper"
     check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, torch.float32, True), "tf32", True)
     nan_C = torch.full((m, n), float("nan"), device=DEVICE)
     check("cute", ALPHA, A, B, 0.0, nan_C, "tf32 beta = 0", True)
@@ -1067,8 +1077,8 @@ def test_cute_hopper_large(layout, dtype):
     B = padded_matrix(k, n, dtype, layout[1] == "T")
     C = padded_matrix(m, n, dtype, False)
     tf32 = dtype == torch.float32
-    assert cute_impl.choose_kernel(A, B, tf32)[0] == "hopper"
-    assert cute_impl.hopper_tile_n(m, n) == 256
+    assert cute_step2.choose_kernel(A, B, tf32)[0] == "hopper"
+    assert cute_step2.hopper_tile_n(m, n) == 256
     exact = float64_gemm(ALPHA, A, B, BETA, C)
     bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k), tf32)
     cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
@@ -1082,7 +1092,7 @@ def test_cute_hopper_more_than_2_to_31_elements(layout):
     both layouts): TMA's descriptor strides are 64-bit and so must the epilogue's be."""
     m, n, k = 2**17 + 8, 80, 2**14 + 8
     A, B, C = operands(m, n, k, torch.bfloat16, layout)
-    assert cute_impl.choose_kernel(A, B, False)[0] == "hopper"
+    assert cute_step2.choose_kernel(A, B, False)[0] == "hopper"
     exact = float64_gemm(ALPHA, A, B, BETA, C)
     bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
     cute_impl.gemm(ALPHA, A, B, BETA, C)

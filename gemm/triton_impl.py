@@ -218,6 +218,39 @@ def tma_descriptor(t, block_shape):
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def patch_triton_interpreter():
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes; called at import only
+    under TRITON_INTERPRET=1, so the GPU path never runs it. With numpy 2.4 the interpreter fails
+    where it makes a Python int of a scalar (a one-element array) with int(array): numpy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
+    runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
+    truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
+    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, convert = interpreter._patch_lang_tensor, interpreter._convert_float
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._patch_lang_tensor, interpreter._convert_float = patch_with_item, exact
+
+
+if INTERPRETED:
+    patch_triton_interpreter()
+
+
 def on_device_of(t):
     """Launch context for t. Triton launches on the current CUDA device, so t's GPU is made
     current when it is another one (entering torch.cuda.device costs more than a launch's own

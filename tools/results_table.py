@@ -46,7 +46,10 @@ def passing_impls(test_log):
     def named(line):
         # parameter ids look like [4097-torch.float32-triton]: an implementation sits between
         # '[' or '-' and '-' or ']'
-        return {impl for impl in IMPL_OF.values() if re.search(rf"[\[-]{impl}[\]-]", line)}
+        # (a step of a lesson in steps, cute.step1, counts as its implementation)
+        return {
+            impl for impl in IMPL_OF.values() if re.search(rf"[\[-]{impl}(\.step\d+)?[\]-]", line)
+        }
 
     passed, failed = set(), set()
     for line in lines:
@@ -209,12 +212,50 @@ def folder_table(results):
     return "\n".join(lines)
 
 
-def replace_block(path, body):
+def step_table(results):
+    """A lesson in steps (cute_1_*.py, cute_2_*.py, ...): what each step gained, from the rows
+    cute.step1, cute.step2, ... timed beside the library op in the same rounds. None if the
+    folder has no steps."""
+    steps = sorted({r["impl"] for r in timed_rows(results) if r["impl"].startswith("cute.step")})
+    if not steps:
+        return None
+    unit = "TFLOPs" if is_compute_bound(results) else "GBps"
+    lines = [
+        f"{unit.replace('Bps', 'B/s').replace('FLOPs', 'FLOP/s')} (% of the library op's speed), "
+        "each step timed in the same rounds as the library op:",
+        "",
+        "| dtype | size | library | " + " | ".join(steps) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in steps) + " |",
+    ]
+    cases = {
+        (r["dtype"], tuple(r["shape"]), r.get("layout"))
+        for r in timed_rows(results)
+        if r["impl"] in steps
+    }
+    for dtype, shape, layout in sorted(cases):
+        of_case = {
+            r["impl"]: r
+            for r in timed_rows(results)
+            if (r["dtype"], tuple(r["shape"]), r.get("layout")) == (dtype, shape, layout)
+        }
+        cells = [
+            f"{of_case[s][unit]:.1f} ({100 * of_case[s]['vs_library']:.0f}%)"
+            if s in of_case
+            else ""
+            for s in steps
+        ]
+        size = " x ".join(map(str, shape)) + (f" {layout}" if layout else "")
+        library = of_case["library"][unit] if "library" in of_case else float("nan")
+        lines.append(f"| {dtype} | {size} | {library:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def replace_block(path, body, name="results"):
     text = path.read_text()
-    block = f"<!-- results -->\n{body}\n<!-- /results -->"
-    new, count = re.subn(r"<!-- results -->.*?<!-- /results -->", block, text, flags=re.S)
+    block = f"<!-- {name} -->\n{body}\n<!-- /{name} -->"
+    new, count = re.subn(rf"<!-- {name} -->.*?<!-- /{name} -->", block, text, flags=re.S)
     if count != 1:
-        raise SystemExit(f"{path}: expected one <!-- results --> block")
+        raise SystemExit(f"{path}: expected one <!-- {name} --> block")
     path.write_text(new)
 
 
@@ -280,6 +321,9 @@ def main(logs):
         shutil.copy(logs / f"{name}.perf.png", folder / "perf.png")
         results = json.loads(results_file.read_text())
         replace_block(folder / "README.md", folder_table(results))
+        steps = step_table(results)
+        if steps is not None:
+            replace_block(folder / "README.md", steps, "steps")
         passing = passing_impls(test_log)
         marks = []
         for column, file in FILES.items():

@@ -1,0 +1,510 @@
+"""gemm in the CuTe DSL, step 2: TMA, wgmma, warp specialisation and clusters (README.md,
+"Step 2").
+
+Compared with step 1 (cute_1_tiled.py), this adds the tensor cores and what feeds them: TMA
+copies A and B tiles into a ring of swizzled shared-memory buffers guarded by mbarriers
+(`make_ring`), one producer thread keeps the ring full (`produce`) while two consumer
+warpgroups multiply with wgmma into float32 accumulators and finish C, two columns a time
+where they can (`consume`); blocks are persistent, in clusters of two that share each B tile
+by TMA multicast, walking step 1's grouped order. The arithmetic is step 1's, r = k + 2.
+Then the TF32 MMA atom, the launcher, the dispatch (`tma_major`, `choose_kernel`), the builds
+and `gemm`, which runs here what TMA and wgmma take and everything else on step 1.
+"""
+
+import functools
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.atom import make_atom
+from cutlass.cute.core import _pack_shape
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp
+from cutlass.memory import SmemAllocator
+from cutlass.utils import LayoutEnum
+
+from cute_1_tiled import (
+    checked_scalars,
+    finish_element,
+    placeholder,
+    run_plain,
+    sm90a_ptx,
+    tile_of_block,
+)
+
+# The H200 has 132 SMs: the large Hopper tile when C has at least one per SM.
+SM_COUNT = 132
+
+# The Hopper kernel. wgmma is issued by a warpgroup, 4 warps of 32 threads, and its M is 64:
+# two consumer warpgroups make a 128-row tile, so each B tile in shared memory feeds 128 rows.
+WARPGROUP_THREADS = 128
+CONSUMER_WARPGROUPS = 2
+HOPPER_THREADS = (1 + CONSUMER_WARPGROUPS) * WARPGROUP_THREADS
+TILE_M = 64 * CONSUMER_WARPGROUPS
+# 128 bytes of a row per k step: one swizzle atom of the 128-byte swizzle, which wgmma reads
+# without bank conflicts (64 16-bit or 32 float32 values).
+TILE_K_BYTES = 128
+# Shared memory for the ring of A and B buffers: 4 stages of 128 x 64 + 256 x 64 16-bit values
+# (48 KiB each) or 6 of 128 x 64 + 128 x 64 (32 KiB each), within the H200's 227 KiB a block.
+STAGE_BUDGET_BYTES = 192 * 1024
+# setmaxnreg: the producer only computes addresses; the consumers hold the accumulators
+# (128 float32 a thread at tile_n = 256). 128 * 40 + 256 * 232 fits the 64 Ki registers of an SM.
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+# TMA's coordinates and box counts are 32-bit: larger dimensions take the plain kernel.
+TMA_MAX_DIM = 2**31 - 1
+TMA_ALIGN_BYTES = 16
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+@cute.jit
+def tile_of_cta(
+    cluster_tile, rank, m, n, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+):  # fmt: skip
+    """(tile row, tile column) of the Hopper kernel's block of rank `rank` in its cluster, when
+    the cluster computes cluster tile `cluster_tile`: cluster tiles (cluster_m tile rows, one
+    tile column) run in the grouped order, and the blocks of a cluster take its rows in turn."""
+    cluster_row, tile_column = tile_of_block(cluster_tile, m, n, cluster_m * TILE_M, tile_n)
+    return cluster_row * cluster_m + rank, tile_column
+
+
+@cute.jit
+def finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c: cutlass.Constexpr):
+    """The epilogue for any C: each of the thread's elements on its own, if inside (m, n)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        if cute.elem_less(coords_mine[i], (m, n)):
+            finish_element(c_mine, i, acc[i], alpha, beta, True, read_c)
+
+
+@cute.jit
+def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
+    """The epilogue of a whole tile of a row-major C: wgmma leaves each thread pairs of adjacent
+    columns, so C is read into registers and written back one pair per access (autovec_copy
+    finds the width from the layouts), and finish_element does its arithmetic on the copy."""
+    c_registers = cute.make_rmem_tensor_like(c_mine)
+    if cutlass.const_expr(read_c):
+        cute.autovec_copy(c_mine, c_registers)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        finish_element(c_registers, i, acc[i], alpha, beta, True, read_c)
+    cute.autovec_copy(c_registers, c_mine)
+
+
+def consume_k_step(mainloop, state, tiled_mma, acc, a_fragments, b_fragments):
+    """Wait until TMA has filled the buffer of `state`, then issue the wgmmas of its k step
+    (asynchronous: they read shared memory and add into acc) and commit them as one group."""
+    mainloop.consumer_wait(state)
+    warpgroup.fence()  # acc's registers are ordered before the wgmmas that read them
+    for kb in range(cute.size(a_fragments, mode=[2])):  # plain Python: unrolled while tracing
+        where = (None, None, kb, state.index)
+        cute.gemm(tiled_mma, acc, a_fragments[where], b_fragments[where], acc)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def make_ring(
+    dtype, a_smem_layout, b_smem_layout, stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+):
+    """The ring of `stages` A and B buffers in shared memory and its pipeline of mbarriers."""
+    # Shared memory: the mbarriers ("full" and "empty" per stage), then the A and B rings,
+    # 1024-byte aligned as the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(cutlass.Int64, 2 * stages, byte_alignment=8)
+    a_ring = smem.allocate_tensor(
+        dtype, a_smem_layout.outer, byte_alignment=1024, swizzle=a_smem_layout.inner
+    )
+    b_ring = smem.allocate_tensor(
+        dtype, b_smem_layout.outer, byte_alignment=1024, swizzle=b_smem_layout.inner
+    )
+    a_stage = cute.slice_(a_smem_layout, (None, None, 0))
+    b_stage = cute.slice_(b_smem_layout, (None, None, 0))
+    # A stage is full when its A tile and its whole B tile have landed, whichever block of the
+    # cluster loaded each part of B.
+    bytes_per_stage = cute.size_in_bytes(dtype, a_stage) + cute.size_in_bytes(dtype, b_stage)
+    # One producer thread arrives (with the byte count TMA must deliver) on "full". On "empty",
+    # lane j < cluster_m of each consumer warp arrives on the barrier of the cluster's block j
+    # (the pipeline finds these from the cluster's layout (v, m, n, l) = (1, cluster_m, 1, 1)):
+    # a block's TMA writes B into every block of the cluster, so it may refill a stage only
+    # when all their consumer warps are done with it. create() initialises the barriers and
+    # syncs the block, or the cluster, so that no arrive reaches a barrier before its init.
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, cluster_m * CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
+        ),
+        tx_count=bytes_per_stage,
+        cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
+    )
+    return mainloop, a_ring, b_ring
+
+
+@cute.jit
+def produce(
+    mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, cluster, cluster_tiles, clusters, rank,
+    m, n, k_steps, tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr,
+    stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+):  # fmt: skip
+    """The producer (one thread): for each k step of each of the block's tiles, wait until
+    the next buffer of the ring is empty, then TMA-copy the A tile and this block's part of the
+    B tile into it, completing on its "full" barrier."""
+    # (TILE_M, tile_k, tile row, k step) and (tile_n, tile_k, tile column, k step) tiles of
+    # the TMA tensors, then TMA's view of them: one copy per operand per step.
+    a_tiles = cute.local_tile(A_tma, (TILE_M, tile_k), (None, None))
+    b_tiles = cute.local_tile(B_tma, (tile_n, tile_k), (None, None))
+    a_smem_part, a_gmem_part = cpasync.tma_partition(
+        tma_a, 0, cute.make_layout(1),
+        cute.group_modes(a_ring, 0, 2), cute.group_modes(a_tiles, 0, 2),
+    )  # fmt: skip
+    # The cluster's blocks share each B tile: block `rank` loads slice `rank` of cluster_m and
+    # multicasts it to every block of the cluster (mask: all of them), into the same place of
+    # each one's ring. The mask is ignored by the plain TMA load of cluster_m = 1.
+    b_smem_part, b_gmem_part = cpasync.tma_partition(
+        tma_b, rank, cute.make_layout(cluster_m),
+        cute.group_modes(b_ring, 0, 2), cute.group_modes(b_tiles, 0, 2),
+    )  # fmt: skip
+    b_receivers = cutlass.Int16((1 << cluster_m) - 1)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
+        tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
+        for k_step in cutlass.range(k_steps, unroll=1):
+            mainloop.producer_acquire(state)  # the buffer is empty; expect its bytes
+            full = mainloop.producer_get_barrier(state)
+            cute.copy(
+                tma_a, a_gmem_part[(None, tile_m, k_step)],
+                a_smem_part[(None, state.index)], tma_bar_ptr=full,
+            )  # fmt: skip
+            cute.copy(
+                tma_b, b_gmem_part[(None, tile_n_index, k_step)],
+                b_smem_part[(None, state.index)], tma_bar_ptr=full, mcast_mask=b_receivers,
+            )  # fmt: skip
+            mainloop.producer_commit(state)
+            state.advance()
+    # Exit only after the consumers freed every buffer; with a cluster, this also waits for
+    # the partner's remote arrives, which must not reach an exited block.
+    mainloop.producer_tail(state)
+
+
+@cute.jit
+def consume(
+    mainloop, tiled_mma, a_ring, b_ring, C, thread, warpgroup_index, cluster, cluster_tiles,
+    clusters, rank, m, n, k_steps, alpha, beta, tile_n: cutlass.Constexpr,
+    stages: cutlass.Constexpr, read_c: cutlass.Constexpr, c_pairs: cutlass.Constexpr,
+    cluster_m: cutlass.Constexpr,
+):  # fmt: skip
+    """A consumer warpgroup: for each of the block's tiles, multiply its 64 rows of the A tile
+    by the B tile, k step by k step as the ring fills, then finish its part of C."""
+    consumer_thread = thread - WARPGROUP_THREADS
+    # wgmma's A and B "fragments" are shared-memory descriptors, the same for the 128
+    # threads of a warpgroup: partition with the warpgroup's first thread.
+    warpgroup_mma = tiled_mma.get_slice((warpgroup_index - 1) * WARPGROUP_THREADS)
+    a_fragments = tiled_mma.make_fragment_A(warpgroup_mma.partition_A(a_ring))
+    b_fragments = tiled_mma.make_fragment_B(warpgroup_mma.partition_B(b_ring))
+    # The accumulator is per thread: C and its coordinates are partitioned by this thread.
+    thread_mma = tiled_mma.get_slice(consumer_thread)
+    tile_shape = (TILE_M, tile_n)
+    c_tiles = cute.local_tile(C, tile_shape, (None, None))
+    coord_tiles = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, (None, None))
+    acc = cute.make_rmem_tensor(
+        thread_mma.partition_C(c_tiles[None, None, 0, 0]).shape, cutlass.Float32
+    )
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
+        tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
+        acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
+        consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
+        read_state.advance()
+        for _ in cutlass.range(1, k_steps, unroll=1):
+            consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
+            read_state.advance()
+            # At most this step's group still runs: the previous step's buffer is free.
+            warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+        warpgroup.wait_group(0)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+
+        c_mine = thread_mma.partition_C(c_tiles[None, None, tile_m, tile_n_index])
+        coords_mine = thread_mma.partition_C(coord_tiles[None, None, tile_m, tile_n_index])
+        if cutlass.const_expr(c_pairs):
+            inside = (tile_m + 1) * TILE_M <= m and (tile_n_index + 1) * tile_n <= n
+            if inside:
+                finish_in_pairs(c_mine, acc, alpha, beta, read_c)
+            else:
+                finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+        else:
+            finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+
+
+@cute.kernel
+def hopper_kernel(
+    tma_a: cute.CopyAtom,
+    A_tma: cute.Tensor,
+    tma_b: cute.CopyAtom,
+    B_tma: cute.Tensor,
+    C: cute.Tensor,
+    m: cutlass.Int64,
+    n: cutlass.Int64,
+    k: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    tiled_mma: cute.TiledMma,
+    a_smem_layout: cute.ComposedLayout,
+    b_smem_layout: cute.ComposedLayout,
+    dtype: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr[int],
+    tile_k: cutlass.Constexpr[int],
+    stages: cutlass.Constexpr[int],
+    read_c: cutlass.Constexpr[bool],
+    c_pairs: cutlass.Constexpr[bool],
+    cluster_m: cutlass.Constexpr[int],
+):
+    thread, _, _ = cute.arch.thread_idx()
+    block, _, _ = cute.arch.block_idx()
+    blocks, _, _ = cute.arch.grid_dim()
+    # A 1-D grid in clusters of cluster_m x 1 x 1: block b is block b mod cluster_m of cluster
+    # b div cluster_m (its %cluster_ctarank, which multicast masks and remote arrives name).
+    cluster, rank = block // cluster_m, block % cluster_m
+    clusters = blocks // cluster_m
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
+    if warp == 0:
+        cpasync.prefetch_descriptor(tma_a)
+        cpasync.prefetch_descriptor(tma_b)
+
+    mainloop, a_ring, b_ring = make_ring(dtype, a_smem_layout, b_smem_layout, stages, cluster_m)
+    k_steps = cutlass.Int32((k + tile_k - 1) // tile_k)
+    # Persistent: cluster c computes cluster tiles c, c + clusters, c + 2 clusters, ... of the
+    # grouped order, each of its blocks one tile. Both blocks of a cluster walk the same cluster
+    # tiles, so their rings advance together (when m has an odd number of tile rows, one block
+    # of the last cluster row computes a tile past m: zeros in, nothing stored). Producer and
+    # consumers walk the same tiles and the ring's state runs on across them, so TMA already
+    # loads the next tile while the consumers finish the last one. The tile index is 32-bit
+    # (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's dimensions are
+    # below 2**31 anyway).
+    cluster_tile_m = cluster_m * TILE_M
+    cluster_tiles = cutlass.Int32(
+        ((m + cluster_tile_m - 1) // cluster_tile_m) * ((n + tile_n - 1) // tile_n)
+    )
+
+    # Warp specialisation: warpgroup 0 gives its registers to the consumers (it only computes
+    # addresses) and one of its threads produces; warpgroups 1 and 2 consume.
+    if warpgroup_index == 0:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+        if warp == 0:
+            produce(
+                mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, cluster, cluster_tiles,
+                clusters, rank, m, n, k_steps, tile_n, tile_k, stages, cluster_m,
+            )  # fmt: skip
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+        consume(
+            mainloop, tiled_mma, a_ring, b_ring, C, thread, warpgroup_index, cluster,
+            cluster_tiles, clusters, rank, m, n, k_steps, alpha, beta, tile_n, stages, read_c,
+            c_pairs, cluster_m,
+        )  # fmt: skip
+
+
+class MmaTF32Op(MmaOp):
+    """wgmma.mma_async with TF32 inputs (k = 8 per instruction) and a float32 accumulator,
+    which CuTe DSL 4.8.1 does not wrap: the same SM90 MMA atom as the 16-bit one, with the
+    TF32 element type. PTX allows it K-major only."""
+
+    def __init__(self, n):
+        k_major = OperandMajorMode.K
+        super().__init__(
+            cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (64, n, 8),
+            warpgroup.OperandSource.SMEM, k_major, k_major,
+        )  # fmt: skip
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            _pack_shape(self.shape_mnk, loc=loc, ip=ip).type.attribute,
+            self.a_major_mode._to_ir(), self.b_major_mode._to_ir(),
+            self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type,
+            self.a_src._to_ir(),
+        )  # fmt: skip
+        return MmaF16BF16Trait(
+            make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip)
+        )
+
+
+def make_tiled_mma(dtype, a_major, b_major, tile_n):
+    """Two warpgroups side by side along m, each issuing 64 x tile_n wgmmas."""
+    if cutlass.const_expr(dtype == cutlass.Float32):
+        atom = cute.make_mma_atom(MmaTF32Op(tile_n))
+        return cute.make_tiled_mma(atom, (CONSUMER_WARPGROUPS, 1, 1))
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+        cutlass.Float32, (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, tile_n),
+    )  # fmt: skip
+
+
+@cute.jit
+def launch_hopper(
+    A: cute.Tensor,
+    B: cute.Tensor,
+    C: cute.Tensor,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    blocks: cutlass.Int32,
+    stream: cuda.CUstream,
+    a_k_major: cutlass.Constexpr[bool],
+    b_k_major: cutlass.Constexpr[bool],
+    tile_n: cutlass.Constexpr[int],
+    read_c: cutlass.Constexpr[bool],
+    c_pairs: cutlass.Constexpr[bool],
+    cluster_m: cutlass.Constexpr[int],
+):
+    # A, B and C arrive as torch tensors through TVM-FFI, with the layouts of `build_hopper`:
+    # A and B with their stride-1 dimension known, bases and other strides on 16-byte
+    # boundaries (`tma_major`), which TMA needs; C with column stride 1 and an even row stride
+    # in the paired build (`in_pairs`), any strides otherwise.
+    dtype = A.element_type
+    tile_k = TILE_K_BYTES * 8 // dtype.width
+    stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
+    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
+    # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
+    m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
+    n = cutlass.Int32(cute.size(B, mode=[1]))
+    A = cute.make_tensor(A.iterator, cute.make_layout((m, k), stride=A.stride))
+    B = cute.make_tensor(B.iterator, cute.make_layout((n, k), stride=B.stride[::-1]))
+    C = cute.make_tensor(C.iterator, cute.make_layout((m, n), stride=C.stride))
+    a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
+    b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
+    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
+    tile_mnk = (TILE_M, tile_n, tile_k)
+    a_smem_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+    b_smem_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_a, A_tma = cpasync.make_tiled_tma_atom(
+        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
+    )
+    # In a cluster, each block's TMA loads 1 / cluster_m of the B tile and multicasts it.
+    load_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_m > 1 else load
+    tma_b, B_tma = cpasync.make_tiled_tma_atom(
+        load_b, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k), cluster_m
+    )
+    hopper_kernel(
+        tma_a, A_tma, tma_b, B_tma, C, cutlass.Int64(m), cutlass.Int64(n), cutlass.Int64(k),
+        alpha, beta, tiled_mma, a_smem_layout, b_smem_layout, dtype, tile_n, tile_k, stages, read_c,
+        c_pairs, cluster_m,
+    ).launch(
+        grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
+        cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
+    )  # fmt: skip
+
+
+@functools.cache
+def sm_count(device):
+    """The number of SMs of CUDA device `device` (its index; 132 on the H200), asked once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hopper_tile_n(m, n):
+    """256 columns a tile when C has at least one 128 x 256 tile per SM, else 128."""
+    return 256 if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT else 128
+
+
+def tma_major(t):
+    """How TMA can load the matrix t: 'rows' when its rows are contiguous (stride 1 along a
+    row), 'cols' when its columns are; the other stride and the base must be multiples of 16
+    bytes and the dimensions below 2**31. None when TMA cannot."""
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    if rows > TMA_MAX_DIM or cols > TMA_MAX_DIM or t.data_ptr() % TMA_ALIGN_BYTES:
+        return None
+    if col_stride == 1 and row_stride > 0 and row_stride * t.itemsize % TMA_ALIGN_BYTES == 0:
+        return "rows"
+    if row_stride == 1 and col_stride > 0 and col_stride * t.itemsize % TMA_ALIGN_BYTES == 0:
+        return "cols"
+    return None
+
+
+def in_pairs(C):
+    """True when the Hopper epilogue may move C two adjacent columns at a time: rows of stride 1
+    that start on a 2-element boundary."""
+    row_stride, col_stride = C.stride()
+    return col_stride == 1 and row_stride % 2 == 0 and C.data_ptr() % (2 * C.itemsize) == 0
+
+
+def choose_kernel(A, B, allow_tf32):
+    """('hopper', a_k_major, b_k_major) or ('plain',): TMA must take both operands
+    (`tma_major`), and float32 goes to wgmma only as TF32, asked for (allow_tf32) and with both
+    operands K-major, all that TF32 wgmma reads; everything else is step 1's."""
+    a_major, b_major = tma_major(A), tma_major(B)
+    if a_major is None or b_major is None:
+        return ("plain",)
+    # A (m, k) is K-major when its rows are contiguous; B (k, n) when its columns are.
+    a_k_major, b_k_major = a_major == "rows", b_major == "cols"
+    if A.dtype == torch.float32 and not (allow_tf32 and a_k_major and b_k_major):
+        return ("plain",)
+    return ("hopper", a_k_major, b_k_major)
+
+
+def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m, options=""):
+    """cute.compile the Hopper launcher for TVM-FFI calls (as build_plain). A and B get the
+    stride 1 along their contiguous dimension (k if K-major) and 16-byte aligned bases and
+    other strides, which TMA needs; C the pairs' layout if c_pairs."""
+    m, n, k = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
+    tma_vector = TMA_ALIGN_BYTES // dtype.itemsize
+    A = placeholder(dtype, m, k, 1 if a_k_major else 0, tma_vector)
+    B = placeholder(dtype, k, n, 0 if b_k_major else 1, tma_vector)
+    C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
+    return cute.compile(
+        launch_hopper, A, B, C, 1.0, 1.0, 1,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_n,
+        read_c, c_pairs, cluster_m, options=f"--enable-tvm-ffi {options}",
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m):
+    """The Hopper kernel for `dtype`, operand majorness, epilogue and cluster size, built once
+    and cached (the TVM-FFI function, as compile_plain)."""
+    return build_hopper(
+        dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m
+    ).__tvm_ffi_object__()
+
+
+def ptx_of(
+    dtype, a_k_major=True, b_k_major=True, tile_n=256, read_c=True, c_pairs=False, cluster_m=2
+):  # fmt: skip
+    """The sm_90a PTX of the Hopper kernel's build for these compile-time choices."""
+    return sm90a_ptx(build_hopper, dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
+
+
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. The Hopper
+    kernel takes what `choose_kernel` gives it and runs in clusters of `cluster_m` blocks along
+    m (1 or 2) that share each B tile; a C of one tile row (m <= TILE_M) takes clusters of 1,
+    whose partner would only compute zeros. Everything else, and alpha32 == 0 or k == 0 (no
+    product to multiply), runs on step 1's plain kernel."""
+    alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
+    m, n = C.shape
+    if m == 0 or n == 0:
+        return C
+    choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
+    if choice[0] == "plain":
+        run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
+        return C
+    _, a_k_major, b_k_major = choice
+    tile_n = hopper_tile_n(m, n)
+    cluster_m = cluster_m if m > TILE_M else 1
+    kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C), cluster_m)
+    # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters. TVM-FFI
+    # launches on torch's current stream of C's GPU, as step 1's run_plain.
+    cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
+    blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
+    kernel(A, B, C, alpha32, beta32, blocks)
+    return C
