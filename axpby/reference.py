@@ -80,6 +80,8 @@ def to_float32(value):
 
 def check_scalar(name, value):
     """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if type(value) is float:  # the common case, checked first: every call pays for this one
+        return
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
     try:

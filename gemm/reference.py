@@ -99,6 +99,8 @@ def to_float32(value):
 
 def check_scalar(name, value):
     """A scalar is a real Python number that a float can hold (float() of a huge int overflows)."""
+    if type(value) is float:  # the common case, checked first: every call pays for this one
+        return
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
     try:
@@ -108,7 +110,8 @@ def check_scalar(name, value):
 
 
 def check_operands(alpha, A, B, beta, C):
-    """Raise TypeError/ValueError, naming the operand, for anything gemm does not accept."""
+    """Raise TypeError/ValueError, naming the operand, for anything gemm does not accept. Every
+    call of every implementation pays for this on the host, so each property is read once."""
     check_scalar("alpha", alpha)
     check_scalar("beta", beta)
     for name, t in (("A", A), ("B", B), ("C", C)):
@@ -116,19 +119,18 @@ def check_operands(alpha, A, B, beta, C):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D matrix, got a tensor of shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    dtype, device = A.dtype, A.device
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"A has dtype {dtype}; supported: float32, float16, bfloat16")
     for name, t in (("B", B), ("C", C)):
-        if t.dtype != A.dtype:
-            raise TypeError(
-                f"{name} has dtype {t.dtype} but A has {A.dtype}; gemm does not convert"
-            )
-        if t.device != A.device:
-            raise ValueError(f"{name} is on {t.device} but A is on {A.device}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but A has {dtype}; gemm does not convert")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but A is on {device}")
     (m, k), (k_b, n) = A.shape, B.shape
     if k_b != k:
         raise ValueError(f"B has {k_b} rows but A has {k} columns")
-    if tuple(C.shape) != (m, n):
+    if C.shape != (m, n):
         raise ValueError(f"C has shape {tuple(C.shape)} but A @ B has shape {(m, n)}")
     if elements_collide(C):
         raise ValueError(
