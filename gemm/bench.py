@@ -53,31 +53,52 @@ STEPS = {}  # the CuTe lesson's steps, timed at STEP_CASES only
 try:
     import cute_1_tiled
     import cute_2_tma_wgmma
+    import cute_3_staged
     import cute_impl
 
     IMPLS["cute"] = cute_impl.gemm
-    STEPS = {"cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm}
+    STEPS = {
+        "cute.step1": cute_1_tiled.gemm,
+        "cute.step2": cute_2_tma_wgmma.gemm,
+        "cute.step3": cute_3_staged.gemm,
+    }
 except ImportError as error:
     print(f"cute_impl is not measured: {error}")
 SQUARES = [256, 512, 1024, 2048, 4096, 8192, 16384]
-SHAPES = [(s, s, s) for s in SQUARES] + [
-    (16384, n, k) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
-]
+# (n, k) of a 7B-class layer's projections: q/k/v/o, gate and up, down, a wider MLP.
+PROJECTIONS = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
+SHAPES = [(s, s, s) for s in SQUARES] + [(16384, n, k) for n, k in PROJECTIONS]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (dtype, shape) where each step is timed beside cute: the sizes of the step table. Step 1 takes
-# bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in both steps.
+# The layouts and shapes a model calls, timed after the NN sweep: every layout at 8192^3
+# (nn.Linear's forward is x @ W.T, NT; its backward NN and TN), the projections in NT at 4096
+# and 16384 tokens, decode steps (1 to 128 tokens, NT), and a shape TMA cannot take as it is
+# (k and n odd: rows off 16-byte boundaries).
+MODEL_CASES = (
+    [(dtype, layout, (8192,) * 3) for dtype in DTYPES[:2] for layout in ("NT", "TN", "TT")]
+    + [(torch.bfloat16, "NT", (m, n, k)) for m in (4096, 16384) for n, k in PROJECTIONS]
+    + [(torch.bfloat16, "NT", (m, n, k)) for m in (1, 16, 64, 128) for n, k in PROJECTIONS[:3]]
+    + [(torch.bfloat16, "NN", (4097, 5121, 3079))]
+)
+# (dtype, layout, shape) where each step is timed beside cute: the cases of the step table.
+# Step 1 takes bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in the
+# first two steps.
 STEP_CASES = {
-    (torch.bfloat16, (4096, 4096, 4096)),
-    (torch.bfloat16, (8192, 8192, 8192)),
-    (torch.float32, (4096, 4096, 4096)),
+    (torch.bfloat16, "NN", (4096, 4096, 4096)),
+    (torch.bfloat16, "NN", (8192, 8192, 8192)),
+    (torch.float32, "NN", (4096, 4096, 4096)),
+    (torch.bfloat16, "NN", (4097, 5121, 3079)),
 }
 
 
-def make_operands(m, n, k, dtype):
-    def random(rows, cols):
+def make_operands(m, n, k, dtype, layout=LAYOUT):
+    """A, B in `layout` (T: that operand is the transpose of a contiguous matrix), C row-major."""
+
+    def random(rows, cols, transposed=False):
+        if transposed:
+            return torch.randn(cols, rows, device="cuda").to(dtype).T
         return torch.randn(rows, cols, device="cuda").to(dtype)
 
-    return random(m, k), random(k, n), random(m, n)
+    return random(m, k, layout[0] == "T"), random(k, n, layout[1] == "T"), random(m, n)
 
 
 def gemm_call(gemm, A, B, C):
@@ -168,29 +189,74 @@ def plot_per_call(ax, rows, floors):
     ax.legend(fontsize=7)
 
 
+def plot_model_cases(ax, rows):
+    """Bars of x cuBLAS (torch.addmm's time / ours) for each of MODEL_CASES."""
+    labels = [
+        f"{str(d)[6:]} {layout} {'x'.join(map(str, shape))}" for d, layout, shape in MODEL_CASES
+    ]
+    names = [name for name in IMPLS if name != "library"]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ratio = {
+            (r["dtype"], r["layout"], tuple(r["shape"])): r["vs_library"]
+            for r in rows
+            if r["impl"] == name
+        }
+        values = [ratio[str(d)[6:], layout, shape] for d, layout, shape in MODEL_CASES]
+        ax.bar([j + width * i for j in range(len(values))], values, width, label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", label="torch.addmm (cuBLAS)")
+    ax.set_xticks(range(len(labels)), labels, rotation=75, fontsize=6)
+    ax.set(ylabel="x torch.addmm", title=f"{KERNEL}: the layouts and shapes a model calls")
+    ax.legend(fontsize=7)
+
+
 def plot(rows, ceiling, floors, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(DTYPES) + 1, figsize=(6 * (len(DTYPES) + 1), 4.5))
-    timed = [r for r in rows if r["ms"] is not None]
+    panels = len(DTYPES) + 2
+    widths = [1] * len(DTYPES) + [2.5, 1]  # the model-case panel has 27 cases side by side
+    figure, axes = plt.subplots(1, panels, figsize=(6 * sum(widths), 5), width_ratios=widths)
+    sweep = [r for r in rows if r["ms"] is not None and tuple(r["shape"]) in SHAPES]
+    sweep = [r for r in sweep if r["layout"] == LAYOUT]
     labels = [f"{m}x{n}x{k}" for m, n, k in SHAPES]
     for ax, dtype in zip(axes, DTYPES, strict=False):
         if ax is not axes[0]:
             ax.sharey(axes[0])
         for impl in IMPLS:
-            points = [r for r in timed if r["impl"] == impl and r["dtype"] == str(dtype)[6:]]
+            points = [r for r in sweep if r["impl"] == impl and r["dtype"] == str(dtype)[6:]]
             ax.plot(range(len(points)), [r["TFLOPs"] for r in points], "o-", label=impl)
         ax.axhline(ceiling, color="gray", linestyle="--", label="torch.matmul bf16 8192^3")
         ax.set(ylabel="TFLOP/s (2mnk)", title=f"{KERNEL}, {str(dtype)[6:]}, {LAYOUT}")
         ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
         ax.grid(alpha=0.3)
     axes[0].legend()
+    plot_model_cases(axes[-2], [r for r in rows if r["ms"] is not None])
     plot_per_call(axes[-1], [r for r in rows if r["ms"] is None], floors)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def timed_rows(dtype, layout, shape, ceiling):
+    """One row per implementation (and step, at STEP_CASES) for one case, timed interleaved."""
+    m, n, k = shape
+    A, B, C = make_operands(m, n, k, dtype, layout)
+    impls = IMPLS | (STEPS if (dtype, layout, shape) in STEP_CASES else {})
+    times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in impls.items()})
+    rows = []
+    for impl, ms in times.items():
+        tflops = 2 * m * n * k / ms / 1e9
+        rows.append(
+            {"impl": impl, "dtype": str(dtype)[6:], "layout": layout, "shape": [m, n, k],
+             "ms": ms, "GBps": None, "TFLOPs": tflops,
+             "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"] / ms}
+        )  # fmt: skip
+        print(f"{impl:10s} {str(dtype)[6:]:9s} {layout} {m}x{n}x{k} {ms * 1e3:10.1f} us "
+              f"{tflops:6.1f} TFLOP/s {100 * tflops / ceiling:5.1f}% "
+              f"x{times['library'] / ms:.2f} vs torch.addmm")  # fmt: skip
+    return rows
 
 
 def main():
@@ -200,21 +266,10 @@ def main():
         rows += per_call_rows(dtype)
         for row in rows[-len(IMPLS) :]:
             print(f"{row['impl']:7s} {row['dtype']:9s} per call {row['host_us']:6.1f} us")
-        for m, n, k in SHAPES:
-            A, B, C = make_operands(m, n, k, dtype)
-            impls = IMPLS | (STEPS if (dtype, (m, n, k)) in STEP_CASES else {})
-            times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in impls.items()})
-            for impl, ms in times.items():
-                tflops = 2 * m * n * k / ms / 1e9
-                rows.append(
-                    {"impl": impl, "dtype": str(dtype)[6:], "layout": LAYOUT, "shape": [m, n, k],
-                     "ms": ms, "GBps": None, "TFLOPs": tflops,
-                     "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"] / ms}
-                )  # fmt: skip
-                print(f"{impl:10s} {str(dtype)[6:]:9s} {m}x{n}x{k} {ms * 1e3:10.1f} us "
-                      f"{tflops:6.1f} TFLOP/s {100 * tflops / ceiling:5.1f}% "
-                      f"x{times['library'] / ms:.2f} vs torch.addmm")  # fmt: skip
-            del A, B, C
+        for shape in SHAPES:
+            rows += timed_rows(dtype, LAYOUT, shape, ceiling)
+    for dtype, layout, shape in MODEL_CASES:
+        rows += timed_rows(dtype, layout, shape, ceiling)
     results = {
         "device": torch.cuda.get_device_name(),
         "ceilings": {"bf16_matmul_TFLOPs": ceiling, **floors},

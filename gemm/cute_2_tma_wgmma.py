@@ -484,21 +484,18 @@ def ptx_of(
     return sm90a_ptx(build_hopper, dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
 
 
-def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
-    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. The Hopper
-    kernel takes what `choose_kernel` gives it and runs in clusters of `cluster_m` blocks along
-    m (1 or 2) that share each B tile; a C of one tile row (m <= TILE_M) takes clusters of 1,
-    whose partner would only compute zeros. Everything else, and alpha32 == 0 or k == 0 (no
-    product to multiply), runs on step 1's plain kernel."""
-    alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
-    m, n = C.shape
-    if m == 0 or n == 0:
-        return C
+def run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m):
+    """Launch a validated call (checked_scalars has passed; C is not empty): the Hopper kernel
+    on what `choose_kernel` gives it, in clusters of `cluster_m` blocks along m (1 or 2) that
+    share each B tile; a C of one tile row (m <= TILE_M) takes clusters of 1, whose partner
+    would only compute zeros. Everything else, and alpha32 == 0 or k == 0 (no product to
+    multiply), runs on step 1's plain kernel. Later steps call this after their own checks."""
     choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
     if choice[0] == "plain":
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
-        return C
+        return
     _, a_k_major, b_k_major = choice
+    m, n = C.shape
     tile_n = hopper_tile_n(m, n)
     cluster_m = cluster_m if m > TILE_M else 1
     kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C), cluster_m)
@@ -507,4 +504,12 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
     blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
     kernel(A, B, C, alpha32, beta32, blocks)
+
+
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C: validated,
+    then `run`."""
+    alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
+    if C.numel() > 0:  # m == 0 or n == 0: nothing to compute, no launch
+        run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
     return C

@@ -5,17 +5,19 @@
                          offsets, alpha == 0 and k == 0
     cute_2_tma_wgmma.py  step 2: TMA, wgmma, warp specialisation and clusters on Hopper; hands
                          what TMA and wgmma cannot take to step 1
+    cute_3_staged.py     step 3: operands TMA cannot load, copied to K-major 16-byte lines first,
+                         so that every tensor-core product runs on step 2's kernel
 
-`gemm` runs the last step. Copy the three files with reference.py (operand checks): each step
-imports only the one before it.
+`gemm` runs the last step. Copy the four files with reference.py (operand checks): each step
+imports only the ones before it.
 """
 
-import cute_2_tma_wgmma
+import cute_3_staged
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
-    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. 16-bit data
-    whose strides TMA accepts (and float32 with allow_tf32, A row-major and B column-major) runs
-    on the Hopper kernel, in clusters of `cluster_m` blocks (1 or 2) along m; everything else on
-    the plain kernel (cute_2_tma_wgmma.choose_kernel)."""
-    return cute_2_tma_wgmma.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. 16-bit data,
+    and float32 with allow_tf32, runs on the Hopper kernel (operands TMA cannot load copied
+    first, cute_3_staged.staged_operands), in clusters of `cluster_m` blocks (1 or 2) along m;
+    IEEE float32 on the plain kernel."""
+    return cute_3_staged.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)

@@ -44,6 +44,7 @@ except ImportError as error:  # the folder was copied on its own, without common
 try:
     import cute_1_tiled as cute_step1
     import cute_2_tma_wgmma as cute_step2
+    import cute_3_staged as cute_step3
     import cute_impl
 except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
@@ -53,7 +54,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 # The steps of the CuTe lesson, each with its own gemm (README.md, "CuTe: from a plain tiled
 # kernel to a Hopper kernel"); "cute" is cute_impl, which runs the last one.
-CUTE_STEPS = ["cute.step1", "cute.step2"]
+CUTE_STEPS = ["cute.step1", "cute.step2", "cute.step3"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
 # (m, n, k): 1x1x1, primes, and the edges of Triton's 64 x 64 tiles, of the CuTe plain
@@ -77,12 +78,13 @@ REFERENCE_ERROR = gamma(3, U64)
 
 
 def entry_point(name):
-    """The implementation's gemm ("cute.step1" and "cute.step2": that step's). CuTe's can be
+    """The implementation's gemm ("cute.step1" ... "cute.step3": that step's). CuTe's can be
     called without a GPU: it validates, then refuses."""
     if name.startswith("cute"):
         if cute_impl is None:
             pytest.skip(CUTE_MISSING)
-        return {"cute": cute_impl, "cute.step1": cute_step1, "cute.step2": cute_step2}[name].gemm
+        steps = {"cute.step1": cute_step1, "cute.step2": cute_step2, "cute.step3": cute_step3}
+        return {"cute": cute_impl, **steps}[name].gemm
     modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
     return modules[name].gemm
 
@@ -925,7 +927,7 @@ def test_cute_validates_before_any_cuda_call(monkeypatch, impl):
 def test_cute_impl_runs_the_last_step(monkeypatch):
     """cute_impl.gemm is the last step's gemm, its arguments passed on unchanged."""
     calls = []
-    monkeypatch.setattr(cute_step2, "gemm", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(cute_step3, "gemm", lambda *args, **kwargs: calls.append((args, kwargs)))
     A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
     cute_impl.gemm(0.5, A, B, 2.0, C, allow_tf32=True, cluster_m=1)
     assert calls == [((0.5, A, B, 2.0, C), {"allow_tf32": True, "cluster_m": 1})]
@@ -971,6 +973,60 @@ def test_cute_step_matches_reference(step, layout, dtype, shape):
     assert cute_step2.choose_kernel(A, B, tf32)[0] == ("hopper" if tensor_cores else "plain")
     C = padded_matrix(m, n, dtype, False)
     check(step, ALPHA, A, B, BETA, C, f"{layout} tf32={tf32}", tf32)
+
+
+@needs_cute
+def test_cute_staging_rule():
+    """Step 3 copies exactly the operands the tensor cores would multiply but TMA cannot load
+    (K-major ones for TF32), into exact K-major copies with 16-byte lines; what TMA takes, and
+    IEEE float32, pass through as the very same tensors. Read on CPU tensors."""
+    stage = cute_step3.staged_operands
+
+    def lines_of(rows, cols, dtype, transposed):  # contiguous lines of rows or cols elements
+        shape = (cols, rows) if transposed else (rows, cols)
+        values = torch.randn(shape).to(dtype)
+        return values.T if transposed else values
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for a_t, b_t in ((False, False), (False, True), (True, False), (True, True)):
+            A = padded_matrix(37, 21, dtype, a_t, "cpu")
+            B = padded_matrix(21, 45, dtype, b_t, "cpu")
+            same_A, same_B = stage(A, B, False)
+            assert same_A is A and same_B is B
+            # Lines of 21, 37 or 45 two-byte elements: 42, 74 or 90 bytes apart.
+            odd_A, odd_B = lines_of(37, 21, dtype, a_t), lines_of(21, 45, dtype, b_t)
+            staged_A, staged_B = stage(odd_A, odd_B, False)
+            for original, copy, k_dim in ((odd_A, staged_A, 1), (odd_B, staged_B, 0)):
+                assert copy.stride(k_dim) == 1 and cute_step2.tma_major(copy) is not None
+                assert_same_bits(copy, original, "staged copy")
+            assert cute_step2.choose_kernel(staged_A, staged_B, False) == ("hopper", True, True)
+    A = padded_matrix(37, 21, torch.float32, True, "cpu")  # M-major: TF32 wgmma cannot read it
+    B = padded_matrix(21, 45, torch.float32, False, "cpu")  # N-major, likewise
+    same_A, same_B = stage(A, B, False)  # IEEE float32: the CUDA cores, nothing to stage
+    assert same_A is A and same_B is B
+    staged_A, staged_B = stage(A, B, True)
+    assert cute_step2.choose_kernel(staged_A, staged_B, True) == ("hopper", True, True)
+    assert_same_bits(staged_A, A, "staged A")
+    assert_same_bits(staged_B, B, "staged B")
+
+
+# Shapes whose rows TMA cannot take as they are: an odd k or n puts every other line off a
+# 16-byte boundary (4097 x 5121 x 3079 is the bench's).
+STAGED_SHAPES = [(1, 3, 7), (37, 45, 21), (129, 257, 65), (200, 131, 301)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", STAGED_SHAPES, ids=str)
+def test_cute_staged_on_tensor_cores(monkeypatch, layout, dtype, shape):
+    """Unaligned 16-bit operands, and float32 with TF32 in any layout, reach the Hopper kernel
+    through step 3's copies (step 1's kernel is not launched) and land within step 2's bound."""
+    implementation("cute")  # skips without a GPU
+    monkeypatch.setattr(cute_step2, "run_plain", lambda *args: pytest.fail("plain kernel ran"))
+    m, n, k = shape
+    A, B, C = operands(m, n, k, dtype, layout)
+    tf32 = dtype == torch.float32
+    check("cute", ALPHA, A, B, BETA, C, f"{layout} staged", tf32)
 
 
 HOPPER_SHAPES = [
