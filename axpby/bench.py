@@ -3,11 +3,12 @@
     python bench.py            writes results.json and perf.png beside this file
 
 axpby reads x and y and writes y: 3n elements of traffic, the minimum any version can move
-(torch_impl's two kernels move 5n).
-Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call,
-so each call reads its inputs from DRAM. The ceiling is a large device-to-device copy measured in
-the same run; torch has no fused axpby, so torch_impl, the
-researcher's version, stands for the library op.
+(torch_impl's two kernels move 5n). Time is the median of `triton.testing.do_bench`, which
+flushes the L2 cache before every call, so each call reads its inputs from DRAM, taken in ROUNDS
+rounds that rotate the order of the implementations (the median of the rounds), so that a clock
+or temperature drift favours none of them. The ceiling is a large device-to-device copy measured
+in the same run; torch has no fused axpby, so torch_impl, the researcher's version, stands for
+the library op.
 
 The per-call rows time the host path: the wall time of CALLS back-to-back calls at TINY
 elements, where the GPU work is far shorter than the Python and driver work of a call, beside
@@ -44,8 +45,19 @@ def make_operands(n, dtype):
     return 0.5, x, -0.5, y
 
 
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def interleaved_ms(calls):
+    """{name: ms}: the median over ROUNDS rounds of each call's median time, every round in a
+    rotated order, so that no implementation always runs first (cool) or last (hot)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(median_ms(calls[name], rep=40))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 @triton.jit
@@ -148,7 +160,9 @@ def main():
             print(f"{row['impl']:7s} {row['dtype']:9s} per call {row['host_us']:6.1f} us")
         for n in SIZES:
             operands = make_operands(n, dtype)
-            times = {name: median_ms(lambda f=f, a=operands: f(*a)) for name, f in IMPLS.items()}
+            times = interleaved_ms(
+                {name: lambda f=f, a=operands: f(*a) for name, f in IMPLS.items()}
+            )
             for impl, ms in times.items():
                 gbps = ELEMENTS_MOVED_PER_ENTRY * n * operands[-1].element_size() / ms / 1e6
                 rows.append(

@@ -2,13 +2,14 @@
 
     python bench.py            writes results.json and perf.png beside this file
 
-geru reads A, x and y and writes A: (2mn + m + n) elements of traffic, the minimum any version can
-move, which is what GB/s counts here. Square matrices from 1024 x 1024 to 16384 x 16384 (1 GiB of
-float32), each in both layouts: row-major, and column-major (A.T of a contiguous matrix), the
-case that needs its tiles turned. Time is the median of `triton.testing.do_bench`, which
-flushes the L2 cache before every call, so each call reads A from DRAM. The ceiling is a large
-device-to-device copy measured in the same run. The library op a user would otherwise call is
-`A.addr_`, which is torch_impl.
+geru reads A, x and y and writes A: (2mn + m + n) elements of traffic, the minimum any version
+can move, which is what GB/s counts here. Square matrices from 1024 x 1024 to 16384 x 16384 (1
+GiB of float32), each in both layouts: row-major, and column-major (A.T of a contiguous matrix),
+the case that needs its tiles turned. Time is the median of `triton.testing.do_bench`, which
+flushes the L2 cache before every call, so each call reads A from DRAM, taken in ROUNDS rounds
+that rotate the order of the implementations (the median of the rounds), so that a clock or
+temperature drift favours none of them. The ceiling is a large device-to-device copy measured in
+the same run. The library op a user would otherwise call is `A.addr_`, which is torch_impl.
 
 The per-call rows time the host path: the wall time of CALLS back-to-back calls on a TINY x TINY
 matrix, where the GPU work is far shorter than the Python and driver work of a call, beside the
@@ -51,8 +52,19 @@ def elements_moved(m, n):
     return 2 * m * n + m + n  # read and write A, read x and y
 
 
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def interleaved_ms(calls):
+    """{name: ms}: the median over ROUNDS rounds of each call's median time, every round in a
+    rotated order, so that no implementation always runs first (cool) or last (hot)."""
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(median_ms(calls[name], rep=40))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 @triton.jit
@@ -175,9 +187,9 @@ def main():
         for side in SIDES:
             for layout in LAYOUTS:
                 operands = make_operands(side, dtype, layout)
-                times = {
-                    name: median_ms(lambda f=f, a=operands: f(*a)) for name, f in IMPLS.items()
-                }
+                times = interleaved_ms(
+                    {name: lambda f=f, a=operands: f(*a) for name, f in IMPLS.items()}
+                )
                 moved = elements_moved(side, side) * operands[-1].element_size()
                 for impl, ms in times.items():
                     gbps = moved / ms / 1e6
