@@ -5,17 +5,21 @@
                          offsets, alpha == 0 and k == 0
     cute_2_tma_wgmma.py  step 2: TMA, wgmma, warp specialisation and clusters on Hopper; hands
                          what TMA and wgmma cannot take to step 1
+    cute_3_split_k.py    step 3: split k for decode shapes (C with fewer tiles than SMs and a
+                         long k), partials summed in a fixed order; hands the rest to step 2
 
-`gemm` runs the last step. Copy the three files with reference.py (operand checks): each step
-imports only the one before it.
+`gemm` runs the last step. Copy the four files with reference.py (operand checks): each step
+imports only the ones before it.
 """
 
-import cute_2_tma_wgmma
+import cute_3_split_k
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. 16-bit data
     whose strides TMA accepts (and float32 with allow_tf32, A row-major and B column-major) runs
-    on the Hopper kernel, in clusters of `cluster_m` blocks (1 or 2) along m; everything else on
-    the plain kernel (cute_2_tma_wgmma.choose_kernel)."""
-    return cute_2_tma_wgmma.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)
+    on the tensor cores: split along k where C has fewer 128 x 128 tiles than SMs and k is
+    long (cute_3_split_k.choose_split), else on step 2's Hopper kernel in clusters of
+    `cluster_m` blocks (1 or 2) along m; everything else on the plain kernel
+    (cute_2_tma_wgmma.choose_kernel)."""
+    return cute_3_split_k.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)
