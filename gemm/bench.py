@@ -6,7 +6,9 @@ gemm does 2mnk flops (mnk multiply-adds) on at least (mk + kn + 2mn) elements of
 A, B and C, write C); from a few hundred on a side it is compute bound, so the measure is
 TFLOP/s = 2mnk / time. Shapes: squares from 256 to 16384, and m = 16384 with (n, k) from the
 projections of a 7B-class transformer layer: (4096, 4096), (11008, 4096), (4096, 11008),
-(14336, 4096); every shape in bfloat16, float16 and float32 (IEEE: no TF32), A and B row-major.
+(14336, 4096), and the first three again at m = 64, a decode step (bound by the 2nk bytes of
+B rather than by flops); every shape in bfloat16, float16 and float32 (IEEE: no TF32), A and B
+row-major.
 Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call,
 taken in ROUNDS rounds that rotate the order of the implementations (the median of the rounds):
 at full tensor-core rate the H200's clock follows its power and temperature, so whichever ran
@@ -14,7 +16,8 @@ first on a cool card would otherwise be favoured by a few percent.
 The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
 library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
 measured when it can be imported, and at STEP_CASES each step of its lesson too, as its own row
-("cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm) in the same rotated
+("cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm, "cute.step3":
+cute_3_split_k.gemm) in the same rotated
 rounds, for README.md's "what each CuTe step gained". Every row says its layout: "NN" (A and
 B row-major).
 
@@ -53,23 +56,34 @@ STEPS = {}  # the CuTe lesson's steps, timed at STEP_CASES only
 try:
     import cute_1_tiled
     import cute_2_tma_wgmma
+    import cute_3_split_k
     import cute_impl
 
     IMPLS["cute"] = cute_impl.gemm
-    STEPS = {"cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm}
+    STEPS = {
+        "cute.step1": cute_1_tiled.gemm,
+        "cute.step2": cute_2_tma_wgmma.gemm,
+        "cute.step3": cute_3_split_k.gemm,
+    }
 except ImportError as error:
     print(f"cute_impl is not measured: {error}")
 SQUARES = [256, 512, 1024, 2048, 4096, 8192, 16384]
-SHAPES = [(s, s, s) for s in SQUARES] + [
-    (16384, n, k) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
-]
+PROJECTIONS = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096)]
+DECODE_M = 64
+SHAPES = (
+    [(s, s, s) for s in SQUARES]
+    + [(16384, n, k) for n, k in PROJECTIONS]
+    + [(DECODE_M, n, k) for n, k in PROJECTIONS[:3]]
+)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (dtype, shape) where each step is timed beside cute: the sizes of the step table. Step 1 takes
-# bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in both steps.
+# bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in every step; steps 2
+# and 3 differ on the decode shapes only (step 3 hands the large ones to step 2).
 STEP_CASES = {
     (torch.bfloat16, (4096, 4096, 4096)),
     (torch.bfloat16, (8192, 8192, 8192)),
     (torch.float32, (4096, 4096, 4096)),
+    *((torch.bfloat16, (DECODE_M, n, k)) for n, k in PROJECTIONS[:3]),
 }
 
 

@@ -5,14 +5,15 @@ Compared with step 1 (cute_1_tiled.py), this adds the tensor cores and what feed
 copies A and B tiles into a ring of swizzled shared-memory buffers guarded by mbarriers
 (`make_ring`), one producer thread keeps the ring full (`produce`) while two consumer
 warpgroups multiply with wgmma into float32 accumulators and finish C, two columns a time
-where they can (`consume`); blocks are persistent, in clusters of two that share each B tile
-by TMA multicast, walking step 1's grouped order. The arithmetic is step 1's, r = k + 2.
+where they can (`consume`, `finish_tile`); blocks are persistent, in clusters of two that
+share each B tile by TMA multicast, walking step 1's grouped order (`run_roles` gives the two
+roles their work units: here whole tiles, `whole_tile`). The arithmetic is step 1's, r = k + 2.
 Then the TF32 MMA atom, the launcher, the dispatch (`tma_major`, `choose_kernel`), the builds
 and `gemm`, which runs here what TMA and wgmma take and everything else on step 1.
 """
 
+import collections
 import functools
-from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -392,22 +393,12 @@ def make_tiled_mma(dtype, a_major, b_major, tile_n):
     )  # fmt: skip
 
 
-class HopperOperands(NamedTuple):
-    """What the Hopper kernel is given for A and B (`hopper_operands`): 32-bit sizes, the k
-    step and ring depth, the MMA, the shared-memory layouts and the TMA atoms and tensors."""
-
-    m: cutlass.Int32
-    n: cutlass.Int32
-    k: cutlass.Int32
-    tile_k: int
-    stages: int
-    tiled_mma: cute.TiledMma
-    a_smem_layout: cute.ComposedLayout
-    b_smem_layout: cute.ComposedLayout
-    tma_a: cute.CopyAtom
-    A_tma: cute.Tensor
-    tma_b: cute.CopyAtom
-    B_tma: cute.Tensor
+# What the Hopper kernel is given for A and B (`hopper_operands`): 32-bit sizes, the k step and
+# ring depth, the MMA, the shared-memory layouts, the TMA atoms and tensors.
+HopperOperands = collections.namedtuple(
+    "HopperOperands",
+    "m n k tile_k stages tiled_mma a_smem_layout b_smem_layout tma_a A_tma tma_b B_tma",
+)
 
 
 @cute.jit
