@@ -53,14 +53,16 @@ STEPS = {}  # the CuTe lesson's steps, timed at STEP_CASES only
 try:
     import cute_1_tiled
     import cute_2_tma_wgmma
-    import cute_3_staged
+    import cute_3_split_k
+    import cute_4_staged
     import cute_impl
 
     IMPLS["cute"] = cute_impl.gemm
     STEPS = {
         "cute.step1": cute_1_tiled.gemm,
         "cute.step2": cute_2_tma_wgmma.gemm,
-        "cute.step3": cute_3_staged.gemm,
+        "cute.step3": cute_3_split_k.gemm,
+        "cute.step4": cute_4_staged.gemm,
     }
 except ImportError as error:
     print(f"cute_impl is not measured: {error}")
@@ -80,12 +82,13 @@ MODEL_CASES = (
     + [(torch.bfloat16, "NN", (4097, 5121, 3079))]
 )
 # (dtype, layout, shape) where each step is timed beside cute: the cases of the step table.
-# Step 1 takes bf16 8192^3 on the CUDA cores (about 20 ms a call); float32 runs step 1 in the
-# first two steps.
+# Step 1 takes bf16 8192^3 on the CUDA cores (about 20 ms a call); IEEE float32 runs step 1 in
+# every step; step 3 changes the decode shapes only, step 4 the unaligned one.
 STEP_CASES = {
     (torch.bfloat16, "NN", (4096, 4096, 4096)),
     (torch.bfloat16, "NN", (8192, 8192, 8192)),
     (torch.float32, "NN", (4096, 4096, 4096)),
+    *((torch.bfloat16, "NT", (64, n, k)) for n, k in PROJECTIONS[:3]),
     (torch.bfloat16, "NN", (4097, 5121, 3079)),
 }
 

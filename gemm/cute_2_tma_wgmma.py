@@ -5,12 +5,14 @@ Compared with step 1 (cute_1_tiled.py), this adds the tensor cores and what feed
 copies A and B tiles into a ring of swizzled shared-memory buffers guarded by mbarriers
 (`make_ring`), one producer thread keeps the ring full (`produce`) while two consumer
 warpgroups multiply with wgmma into float32 accumulators and finish C, two columns a time
-where they can (`consume`); blocks are persistent, in clusters of two that share each B tile
-by TMA multicast, walking step 1's grouped order. The arithmetic is step 1's, r = k + 2.
+where they can (`consume`, `finish_tile`); blocks are persistent, in clusters of two that
+share each B tile by TMA multicast, walking step 1's grouped order (`run_roles` gives the two
+roles their work units: here whole tiles, `whole_tile`). The arithmetic is step 1's, r = k + 2.
 Then the TF32 MMA atom, the launcher, the dispatch (`tma_major`, `choose_kernel`), the builds
 and `gemm`, which runs here what TMA and wgmma take and everything else on step 1.
 """
 
+import collections
 import functools
 
 import cuda.bindings.driver as cuda
@@ -148,13 +150,13 @@ def make_ring(
 
 @cute.jit
 def produce(
-    mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, cluster, cluster_tiles, clusters, rank,
-    m, n, k_steps, tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr,
-    stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+    mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, rank, units, work,
+    tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr, stages: cutlass.Constexpr,
+    cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
-    """The producer (one thread): for each k step of each of the block's tiles, wait until
-    the next buffer of the ring is empty, then TMA-copy the A tile and this block's part of the
-    B tile into it, completing on its "full" barrier."""
+    """The producer (one thread): for each k step of each of the block's work units (`units`,
+    `work`: see run_roles), wait until the next buffer of the ring is empty, then TMA-copy the
+    A tile and this block's part of the B tile into it, completing on its "full" barrier."""
     # (TILE_M, tile_k, tile row, k step) and (tile_n, tile_k, tile column, k step) tiles of
     # the TMA tensors, then TMA's view of them: one copy per operand per step.
     a_tiles = cute.local_tile(A_tma, (TILE_M, tile_k), (None, None))
@@ -172,9 +174,10 @@ def produce(
     )  # fmt: skip
     b_receivers = cutlass.Int16((1 << cluster_m) - 1)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
-        tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
-        for k_step in cutlass.range(k_steps, unroll=1):
+    first_unit, end_unit, unit_step = units
+    for unit in cutlass.range(first_unit, end_unit, unit_step, unroll=1):
+        tile_m, tile_n_index, first_k_step, k_steps = work(unit)
+        for k_step in cutlass.range(first_k_step, first_k_step + k_steps, unroll=1):
             mainloop.producer_acquire(state)  # the buffer is empty; expect its bytes
             full = mainloop.producer_get_barrier(state)
             cute.copy(
@@ -194,33 +197,28 @@ def produce(
 
 @cute.jit
 def consume(
-    mainloop, tiled_mma, a_ring, b_ring, C, thread, warpgroup_index, cluster, cluster_tiles,
-    clusters, rank, m, n, k_steps, alpha, beta, tile_n: cutlass.Constexpr,
-    stages: cutlass.Constexpr, read_c: cutlass.Constexpr, c_pairs: cutlass.Constexpr,
-    cluster_m: cutlass.Constexpr,
+    mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
+    tile_n: cutlass.Constexpr, stages: cutlass.Constexpr,
 ):  # fmt: skip
-    """A consumer warpgroup: for each of the block's tiles, multiply its 64 rows of the A tile
-    by the B tile, k step by k step as the ring fills, then finish its part of C."""
+    """A consumer warpgroup: for each of the block's work units, multiply its 64 rows of the A
+    tile by the B tile, k step by k step as the ring fills, then hand the float32 accumulator
+    to `finish` (see run_roles)."""
     consumer_thread = thread - WARPGROUP_THREADS
     # wgmma's A and B "fragments" are shared-memory descriptors, the same for the 128
     # threads of a warpgroup: partition with the warpgroup's first thread.
     warpgroup_mma = tiled_mma.get_slice((warpgroup_index - 1) * WARPGROUP_THREADS)
     a_fragments = tiled_mma.make_fragment_A(warpgroup_mma.partition_A(a_ring))
     b_fragments = tiled_mma.make_fragment_B(warpgroup_mma.partition_B(b_ring))
-    # The accumulator is per thread: C and its coordinates are partitioned by this thread.
+    # The accumulator is per thread: the epilogue partitions its tile by this thread.
     thread_mma = tiled_mma.get_slice(consumer_thread)
-    tile_shape = (TILE_M, tile_n)
-    c_tiles = cute.local_tile(C, tile_shape, (None, None))
-    coord_tiles = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, (None, None))
-    acc = cute.make_rmem_tensor(
-        thread_mma.partition_C(c_tiles[None, None, 0, 0]).shape, cutlass.Float32
-    )
+    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, tile_n)), cutlass.Float32)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
     read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for cluster_tile in cutlass.range(cluster, cluster_tiles, clusters, unroll=1):
-        tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
+    first_unit, end_unit, unit_step = units
+    for unit in cutlass.range(first_unit, end_unit, unit_step, unroll=1):
+        tile_m, tile_n_index, _, k_steps = work(unit)
         acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
         consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
         read_state.advance()
@@ -234,17 +232,77 @@ def consume(
         warpgroup.wait_group(0)
         mainloop.consumer_release(release_state)
         release_state.advance()
+        finish(thread_mma, acc, unit, tile_m, tile_n_index)
 
-        c_mine = thread_mma.partition_C(c_tiles[None, None, tile_m, tile_n_index])
-        coords_mine = thread_mma.partition_C(coord_tiles[None, None, tile_m, tile_n_index])
-        if cutlass.const_expr(c_pairs):
-            inside = (tile_m + 1) * TILE_M <= m and (tile_n_index + 1) * tile_n <= n
-            if inside:
-                finish_in_pairs(c_mine, acc, alpha, beta, read_c)
-            else:
-                finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+
+@cute.jit
+def finish_tile(
+    thread_mma, acc, unit, tile_m, tile_n_index, C, m, n, alpha, beta,
+    tile_n: cutlass.Constexpr, read_c: cutlass.Constexpr, c_pairs: cutlass.Constexpr,
+):  # fmt: skip
+    """The epilogue of this step's work unit: tile (tile_m, tile_n_index) of C becomes alpha *
+    acc + beta * C, in column pairs on a whole tile of a paired C (c_pairs), else element by
+    element inside (m, n)."""
+    tile_shape, tile = (TILE_M, tile_n), (tile_m, tile_n_index)
+    c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
+    coords = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, tile)
+    coords_mine = thread_mma.partition_C(coords)
+    if cutlass.const_expr(c_pairs):
+        inside = (tile_m + 1) * TILE_M <= m and (tile_n_index + 1) * tile_n <= n
+        if inside:
+            finish_in_pairs(c_mine, acc, alpha, beta, read_c)
         else:
             finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+    else:
+        finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
+
+
+@cute.jit
+def whole_tile(
+    cluster_tile, rank, m, n, k_steps, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+):  # fmt: skip
+    """This step's work unit, cluster tile `cluster_tile`: the block's tile of it (tile_of_cta)
+    and all of k, as (tile row, tile column, first k step, k steps)."""
+    tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
+    return tile_m, tile_n_index, 0, k_steps
+
+
+@cute.jit
+def run_roles(
+    tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank, units, work,
+    finish, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr,
+    stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+):  # fmt: skip
+    """The block's work: the ring, then warp specialisation over the work units `units` =
+    (first, end, step) of `range`. work(unit) says what a unit multiplies, (tile row, tile
+    column, first k step, k steps); finish(thread_mma, acc, unit, tile row, tile column) what
+    becomes of its float32 accumulator. Both are traced into the loops (this step's:
+    whole_tile, finish_tile; step 3 passes its own)."""
+    thread, _, _ = cute.arch.thread_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
+    if warp == 0:
+        cpasync.prefetch_descriptor(tma_a)
+        cpasync.prefetch_descriptor(tma_b)
+
+    mainloop, a_ring, b_ring = make_ring(dtype, a_smem_layout, b_smem_layout, stages, cluster_m)
+    # Producer and consumers walk the same units and the ring's state runs on across them, so
+    # TMA already loads the next unit while the consumers finish the last one.
+    # Warp specialisation: warpgroup 0 gives its registers to the consumers (it only computes
+    # addresses) and one of its threads produces; warpgroups 1 and 2 consume.
+    if warpgroup_index == 0:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+        if warp == 0:
+            produce(
+                mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, rank, units, work, tile_n,
+                tile_k, stages, cluster_m,
+            )  # fmt: skip
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+        consume(
+            mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
+            tile_n, stages,
+        )  # fmt: skip
 
 
 @cute.kernel
@@ -270,50 +328,34 @@ def hopper_kernel(
     c_pairs: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
 ):
-    thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
     blocks, _, _ = cute.arch.grid_dim()
     # A 1-D grid in clusters of cluster_m x 1 x 1: block b is block b mod cluster_m of cluster
     # b div cluster_m (its %cluster_ctarank, which multicast masks and remote arrives name).
     cluster, rank = block // cluster_m, block % cluster_m
     clusters = blocks // cluster_m
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
-    if warp == 0:
-        cpasync.prefetch_descriptor(tma_a)
-        cpasync.prefetch_descriptor(tma_b)
-
-    mainloop, a_ring, b_ring = make_ring(dtype, a_smem_layout, b_smem_layout, stages, cluster_m)
     k_steps = cutlass.Int32((k + tile_k - 1) // tile_k)
     # Persistent: cluster c computes cluster tiles c, c + clusters, c + 2 clusters, ... of the
     # grouped order, each of its blocks one tile. Both blocks of a cluster walk the same cluster
     # tiles, so their rings advance together (when m has an odd number of tile rows, one block
-    # of the last cluster row computes a tile past m: zeros in, nothing stored). Producer and
-    # consumers walk the same tiles and the ring's state runs on across them, so TMA already
-    # loads the next tile while the consumers finish the last one. The tile index is 32-bit
-    # (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's dimensions are
-    # below 2**31 anyway).
+    # of the last cluster row computes a tile past m: zeros in, nothing stored). The tile index
+    # is 32-bit (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's
+    # dimensions are below 2**31 anyway).
     cluster_tile_m = cluster_m * TILE_M
     cluster_tiles = cutlass.Int32(
         ((m + cluster_tile_m - 1) // cluster_tile_m) * ((n + tile_n - 1) // tile_n)
     )
-
-    # Warp specialisation: warpgroup 0 gives its registers to the consumers (it only computes
-    # addresses) and one of its threads produces; warpgroups 1 and 2 consume.
-    if warpgroup_index == 0:
-        cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-        if warp == 0:
-            produce(
-                mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, cluster, cluster_tiles,
-                clusters, rank, m, n, k_steps, tile_n, tile_k, stages, cluster_m,
-            )  # fmt: skip
-    else:
-        cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-        consume(
-            mainloop, tiled_mma, a_ring, b_ring, C, thread, warpgroup_index, cluster,
-            cluster_tiles, clusters, rank, m, n, k_steps, alpha, beta, tile_n, stages, read_c,
-            c_pairs, cluster_m,
-        )  # fmt: skip
+    work = functools.partial(
+        whole_tile, rank=rank, m=m, n=n, k_steps=k_steps, tile_n=tile_n, cluster_m=cluster_m
+    )
+    finish = functools.partial(
+        finish_tile, C=C, m=m, n=n, alpha=alpha, beta=beta, tile_n=tile_n, read_c=read_c,
+        c_pairs=c_pairs,
+    )  # fmt: skip
+    run_roles(
+        tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank,
+        (cluster, cluster_tiles, clusters), work, finish, dtype, tile_n, tile_k, stages, cluster_m,
+    )  # fmt: skip
 
 
 class MmaTF32Op(MmaOp):
@@ -351,6 +393,50 @@ def make_tiled_mma(dtype, a_major, b_major, tile_n):
     )  # fmt: skip
 
 
+# What the Hopper kernel is given for A and B (`hopper_operands`): 32-bit sizes, the k step and
+# ring depth, the MMA, the shared-memory layouts, the TMA atoms and tensors.
+HopperOperands = collections.namedtuple(
+    "HopperOperands",
+    "m n k tile_k stages tiled_mma a_smem_layout b_smem_layout tma_a A_tma tma_b B_tma",
+)
+
+
+@cute.jit
+def hopper_operands(
+    A, B, a_k_major: cutlass.Constexpr, b_k_major: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+):  # fmt: skip
+    """The Hopper kernel's view of A and B (HopperOperands), built on the host."""
+    dtype = A.element_type
+    tile_k = TILE_K_BYTES * 8 // dtype.width
+    stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
+    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
+    # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
+    m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
+    n = cutlass.Int32(cute.size(B, mode=[1]))
+    A = cute.make_tensor(A.iterator, cute.make_layout((m, k), stride=A.stride))
+    B = cute.make_tensor(B.iterator, cute.make_layout((n, k), stride=B.stride[::-1]))
+    a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
+    b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
+    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
+    tile_mnk = (TILE_M, tile_n, tile_k)
+    a_smem_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
+    b_smem_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_a, A_tma = cpasync.make_tiled_tma_atom(
+        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
+    )
+    # In a cluster, each block's TMA loads 1 / cluster_m of the B tile and multicasts it.
+    load_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_m > 1 else load
+    tma_b, B_tma = cpasync.make_tiled_tma_atom(
+        load_b, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k), cluster_m
+    )
+    return HopperOperands(
+        m, n, k, tile_k, stages, tiled_mma, a_smem_layout, b_smem_layout, tma_a, A_tma, tma_b,
+        B_tma,
+    )  # fmt: skip
+
+
 @cute.jit
 def launch_hopper(
     A: cute.Tensor,
@@ -371,35 +457,13 @@ def launch_hopper(
     # A and B with their stride-1 dimension known, bases and other strides on 16-byte
     # boundaries (`tma_major`), which TMA needs; C with column stride 1 and an even row stride
     # in the paired build (`in_pairs`), any strides otherwise.
-    dtype = A.element_type
-    tile_k = TILE_K_BYTES * 8 // dtype.width
-    stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
-    # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
-    # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
-    m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
-    n = cutlass.Int32(cute.size(B, mode=[1]))
-    A = cute.make_tensor(A.iterator, cute.make_layout((m, k), stride=A.stride))
-    B = cute.make_tensor(B.iterator, cute.make_layout((n, k), stride=B.stride[::-1]))
-    C = cute.make_tensor(C.iterator, cute.make_layout((m, n), stride=C.stride))
-    a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
-    b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
-    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
-    tile_mnk = (TILE_M, tile_n, tile_k)
-    a_smem_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
-    b_smem_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
-    load = cpasync.CopyBulkTensorTileG2SOp()
-    tma_a, A_tma = cpasync.make_tiled_tma_atom(
-        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
-    )
-    # In a cluster, each block's TMA loads 1 / cluster_m of the B tile and multicasts it.
-    load_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_m > 1 else load
-    tma_b, B_tma = cpasync.make_tiled_tma_atom(
-        load_b, B, cute.slice_(b_smem_layout, (None, None, 0)), (tile_n, tile_k), cluster_m
-    )
+    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_n, cluster_m)
+    C = cute.make_tensor(C.iterator, cute.make_layout((ops.m, ops.n), stride=C.stride))
     hopper_kernel(
-        tma_a, A_tma, tma_b, B_tma, C, cutlass.Int64(m), cutlass.Int64(n), cutlass.Int64(k),
-        alpha, beta, tiled_mma, a_smem_layout, b_smem_layout, dtype, tile_n, tile_k, stages, read_c,
-        c_pairs, cluster_m,
+        ops.tma_a, ops.A_tma, ops.tma_b, ops.B_tma, C, cutlass.Int64(ops.m),
+        cutlass.Int64(ops.n), cutlass.Int64(ops.k), alpha, beta, ops.tiled_mma,
+        ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_n, ops.tile_k, ops.stages,
+        read_c, c_pairs, cluster_m,
     ).launch(
         grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
         cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
@@ -484,18 +548,26 @@ def ptx_of(
     return sm90a_ptx(build_hopper, dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
 
 
-def run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m):
-    """Launch a validated call (checked_scalars has passed; C is not empty): the Hopper kernel
-    on what `choose_kernel` gives it, in clusters of `cluster_m` blocks along m (1 or 2) that
-    share each B tile; a C of one tile row (m <= TILE_M) takes clusters of 1, whose partner
-    would only compute zeros. Everything else, and alpha32 == 0 or k == 0 (no product to
-    multiply), runs on step 1's plain kernel. Later steps call this after their own checks."""
+def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
+    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. The Hopper
+    kernel takes what `choose_kernel` gives it and runs in clusters of `cluster_m` blocks along
+    m (1 or 2) that share each B tile; a C of one tile row (m <= TILE_M) takes clusters of 1,
+    whose partner would only compute zeros. Everything else, and alpha32 == 0 or k == 0 (no
+    product to multiply), runs on step 1's plain kernel."""
+    alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
+    return run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
+
+
+def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m):
+    """gemm once checked_scalars has passed; later steps hand here what they do not change."""
+    m, n = C.shape
+    if m == 0 or n == 0:
+        return C
     choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
     if choice[0] == "plain":
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
-        return
+        return C
     _, a_k_major, b_k_major = choice
-    m, n = C.shape
     tile_n = hopper_tile_n(m, n)
     cluster_m = cluster_m if m > TILE_M else 1
     kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C), cluster_m)
@@ -504,12 +576,4 @@ def run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m):
     cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
     blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
     kernel(A, B, C, alpha32, beta32, blocks)
-
-
-def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
-    """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C: validated,
-    then `run`."""
-    alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
-    if C.numel() > 0:  # m == 0 or n == 0: nothing to compute, no launch
-        run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
     return C

@@ -5,19 +5,22 @@
                          offsets, alpha == 0 and k == 0
     cute_2_tma_wgmma.py  step 2: TMA, wgmma, warp specialisation and clusters on Hopper; hands
                          what TMA and wgmma cannot take to step 1
-    cute_3_staged.py     step 3: operands TMA cannot load, copied to K-major 16-byte lines first,
-                         so that every tensor-core product runs on step 2's kernel
+    cute_3_split_k.py    step 3: split k for decode shapes (C with fewer tiles than SMs and a
+                         long k), partials summed in a fixed order; hands the rest to step 2
+    cute_4_staged.py     step 4: operands TMA cannot load, copied to K-major 16-byte lines
+                         first, so that every tensor-core product runs on step 2's or 3's kernel
 
-`gemm` runs the last step. Copy the four files with reference.py (operand checks): each step
+`gemm` runs the last step. Copy the five files with reference.py (operand checks): each step
 imports only the ones before it.
 """
 
-import cute_3_staged
+import cute_4_staged
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. 16-bit data,
-    and float32 with allow_tf32, runs on the Hopper kernel (operands TMA cannot load copied
-    first, cute_3_staged.staged_operands), in clusters of `cluster_m` blocks (1 or 2) along m;
-    IEEE float32 on the plain kernel."""
-    return cute_3_staged.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)
+    and float32 with allow_tf32, runs on the tensor cores (operands TMA cannot load copied
+    first, cute_4_staged.staged_operands): split along k where C has fewer 128 x 128 tiles than
+    SMs and k is long (cute_3_split_k.choose_split), else on step 2's Hopper kernel in clusters
+    of `cluster_m` blocks (1 or 2) along m. IEEE float32 runs on step 1's plain kernel."""
+    return cute_4_staged.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32, cluster_m=cluster_m)

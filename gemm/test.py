@@ -7,6 +7,7 @@ their PTX checked (launching them needs the GPU, and those tests skip saying so)
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,8 @@ except ImportError as error:  # the folder was copied on its own, without common
 try:
     import cute_1_tiled as cute_step1
     import cute_2_tma_wgmma as cute_step2
-    import cute_3_staged as cute_step3
+    import cute_3_split_k as cute_step3
+    import cute_4_staged as cute_step4
     import cute_impl
 except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
@@ -54,7 +56,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 # The steps of the CuTe lesson, each with its own gemm (README.md, "CuTe: from a plain tiled
 # kernel to a Hopper kernel"); "cute" is cute_impl, which runs the last one.
-CUTE_STEPS = ["cute.step1", "cute.step2", "cute.step3"]
+CUTE_STEPS = ["cute.step1", "cute.step2", "cute.step3", "cute.step4"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
 # (m, n, k): 1x1x1, primes, and the edges of Triton's 64 x 64 tiles, of the CuTe plain
@@ -78,12 +80,12 @@ REFERENCE_ERROR = gamma(3, U64)
 
 
 def entry_point(name):
-    """The implementation's gemm ("cute.step1" ... "cute.step3": that step's). CuTe's can be
+    """The implementation's gemm ("cute.step1" to "cute.step4": that step's). CuTe's can be
     called without a GPU: it validates, then refuses."""
     if name.startswith("cute"):
         if cute_impl is None:
             pytest.skip(CUTE_MISSING)
-        steps = {"cute.step1": cute_step1, "cute.step2": cute_step2, "cute.step3": cute_step3}
+        steps = dict(zip(CUTE_STEPS, (cute_step1, cute_step2, cute_step3, cute_step4), strict=True))
         return {"cute": cute_impl, **steps}[name].gemm
     modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
     return modules[name].gemm
@@ -128,7 +130,11 @@ def roundings(impl, k, dtype, allow_tf32=False):
     inside a tile is not documented, and the accumulator enters the tensor cores' chain, so each
     step is bounded as a serial sum of acc and its BLOCK_K products; additions of the masked
     zeros are exact, so k additions in all, whatever BLOCK_K is. torch's library order is
-    undocumented too: also k. Then alpha * acc and the addition of beta * c: two."""
+    undocumented too: also k. Then alpha * acc and the addition of beta * c: two.
+
+    CuTe's split k (step 3) sums each slice of k on its own, k_s values, and then adds the S
+    partials in order: a term meets at most k_s + S - 1 additions, and as every slice holds at
+    least one k value (test_cute_split_plan), k_s <= k - (S - 1): k in all, the same count."""
     product = 1 if dtype == torch.float32 and not allow_tf32 else 0
     return product + k + 2
 
@@ -901,6 +907,72 @@ def test_cute_dispatch():
     assert choose(torch.randn(5, 7).bfloat16(), torch.randn(7, 8).bfloat16(), False) == ("plain",)
 
 
+# The decode shapes of a 7B-class layer (issue 13): m rows of activations times W^T.
+DECODE_NK = [(4096, 4096), (11008, 4096), (4096, 11008)]
+
+
+@needs_cute
+def test_cute_split_plan():
+    """split_plan, the host's rule: the decode shapes split k into 3 or 4 slices of 16 to 43
+    k steps, 128 or 129 units for 132 SMs; a C with a 128 x 128 tile per SM, or a k too short
+    for two slices, runs step 2 (None). Over many shapes, every slice holds at least one k step,
+    so a term meets k_s + S - 1 <= k additions (the count `roundings` keeps)."""
+    plan = cute_step3.split_plan
+    for m in (1, 16, 64, 128):
+        assert plan(m, 4096, 4096, 2) == (128, 4)  # 32 tiles x 4 slices of 16 k steps
+        assert plan(m, 11008, 4096, 2) == (256, 3)  # 43 tiles x 3 slices of 22, 21, 21
+        assert plan(m, 4096, 11008, 2) == (128, 4)  # 32 tiles x 4 slices of 43
+    assert plan(4096, 4096, 4096, 2) is None  # 1024 tiles
+    assert plan(129, 16384, 4096, 2) is None  # 2 x 128 = 256 tiles
+    assert plan(64, 4096, 960, 2) is None  # 15 k steps: no two slices of 8
+    for m, n, k, itemsize in np.ndindex(5, 4, 12, 2):
+        m, n, k, itemsize = 1 + 97 * m, 1 + 1500 * n, 1 + 700 * k, 2 * (1 + itemsize)
+        chosen = plan(m, n, k, itemsize)
+        if chosen is None:
+            continue
+        tile_n, splits = chosen
+        tile_k = cute_step2.TILE_K_BYTES // itemsize
+        steps = -(-k // tile_k)
+        per_slice = -(-steps // splits)
+        assert splits >= 2 and per_slice >= cute_step3.MIN_SPLIT_STEPS
+        assert steps - (splits - 1) * per_slice >= 1, "the last slice is empty"
+        assert min(per_slice * tile_k, k) + splits - 1 <= k
+
+
+@needs_cute
+def test_cute_split_dispatch():
+    """choose_split, read on CPU tensors: a decode product that step 2 would run on the Hopper
+    kernel is split, in every layout; operands TMA refuses, IEEE float32 and a short k are not."""
+    W = padded_matrix(4096, 4096, torch.bfloat16, False, "cpu")  # (n, k)
+    for a_t, b_t in ((False, True), (False, False), (True, True)):
+        x = padded_matrix(16, 4096, torch.bfloat16, a_t, "cpu")
+        B = W.T if b_t else W
+        assert cute_step3.choose_split(x, B, False) == (not a_t, b_t, 128, 4)
+    x = padded_matrix(16, 4096, torch.bfloat16, False, "cpu")
+    assert cute_step3.choose_split(x[:, 1:], W.T[1:], False) is None  # off the 16-byte grid
+    assert cute_step3.choose_split(x.float(), W.T.float(), False) is None  # IEEE: step 1
+    assert cute_step3.choose_split(x.float(), W.T.float(), True) == (True, True, 128, 4)  # TF32
+    assert cute_step3.choose_split(x[:, :512], W.T[:512], False) is None  # 8 k steps
+
+
+@needs_cute
+@pytest.mark.parametrize("read_c", [True, False])
+def test_cute_split_k_ptx(read_c):
+    """The split build is two kernels: the Hopper mainloop (TMA, mbarriers, wgmma) storing
+    float32 partials, then sum_partials, which adds them with plain float32 adds and reads C
+    only if beta != 0. No atomic or reduction instruction anywhere: the sum's order is fixed."""
+    ptx = cute_step3.ptx_of(torch.bfloat16, read_c=read_c)
+    split_k, sum_partials = ptx.split(".entry")[1:]
+    assert "split_k_kernel" in split_k and "sum_partials" in sum_partials
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg"):
+        assert instruction in split_k, instruction
+    assert "st.global.v2.b32" in split_k  # float32 partials in column pairs on whole tiles
+    assert "ld.global" not in split_k  # A and B come by TMA, C is not read
+    assert "add.f32" in sum_partials and "wgmma" not in sum_partials
+    assert ("ld.global.b16" in sum_partials) == read_c
+    assert not re.search(r"^\s+(@%p\d+\s+)?(atom|red)\.", ptx, re.MULTILINE)
+
+
 @needs_cute
 @pytest.mark.parametrize("impl", ["cute", *CUTE_STEPS])
 def test_cute_validates_before_any_cuda_call(monkeypatch, impl):
@@ -912,6 +984,7 @@ def test_cute_validates_before_any_cuda_call(monkeypatch, impl):
 
     monkeypatch.setattr(cute_step1, "compile_plain", no_kernel)
     monkeypatch.setattr(cute_step2, "compile_hopper", no_kernel)
+    monkeypatch.setattr(cute_step3, "compile_split_k", no_kernel)
     gemm = entry_point(impl)
     A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
@@ -927,7 +1000,7 @@ def test_cute_validates_before_any_cuda_call(monkeypatch, impl):
 def test_cute_impl_runs_the_last_step(monkeypatch):
     """cute_impl.gemm is the last step's gemm, its arguments passed on unchanged."""
     calls = []
-    monkeypatch.setattr(cute_step3, "gemm", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(cute_step4, "gemm", lambda *args, **kwargs: calls.append((args, kwargs)))
     A, B, C = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
     cute_impl.gemm(0.5, A, B, 2.0, C, allow_tf32=True, cluster_m=1)
     assert calls == [((0.5, A, B, 2.0, C), {"allow_tf32": True, "cluster_m": 1})]
@@ -952,8 +1025,8 @@ def test_cute_build_is_a_tvm_ffi_function_over_tensors():
 
 
 # Each step of the CuTe lesson on its own: m, n and k of 1, primes, one past a tile of either
-# kernel, and a k that ends on a partial k step of both.
-STEP_SHAPES = [(1, 1, 1), (13, 11, 31), (129, 130, 9), (136, 264, 72)]
+# kernel, a k that ends on a partial k step of both, and a decode shape that step 3 splits.
+STEP_SHAPES = [(1, 1, 1), (13, 11, 31), (129, 130, 9), (136, 264, 72), (5, 136, 1100)]
 
 
 @pytest.mark.parametrize("step", CUTE_STEPS)
@@ -977,10 +1050,10 @@ def test_cute_step_matches_reference(step, layout, dtype, shape):
 
 @needs_cute
 def test_cute_staging_rule():
-    """Step 3 copies exactly the operands the tensor cores would multiply but TMA cannot load
+    """Step 4 copies exactly the operands the tensor cores would multiply but TMA cannot load
     (K-major ones for TF32), into exact K-major copies with 16-byte lines; what TMA takes, and
     IEEE float32, pass through as the very same tensors. Read on CPU tensors."""
-    stage = cute_step3.staged_operands
+    stage = cute_step4.staged_operands
 
     def lines_of(rows, cols, dtype, transposed):  # contiguous lines of rows or cols elements
         shape = (cols, rows) if transposed else (rows, cols)
@@ -1118,6 +1191,84 @@ def test_cute_hopper_tf32(monkeypatch, shape):
     check("cute", ALPHA, A, B, BETA, padded_matrix(m, n, torch.float32, True), "tf32", True)
     nan_C = torch.full((m, n), float("nan"), device=DEVICE)
     check("cute", ALPHA, A, B, 0.0, nan_C, "tf32 beta = 0", True)
+
+
+# (m, n, k, (tile_n, S)): split_plan's choice forced onto small products: slices of unequal
+# length, a k that ends on a partial k step, m and n one past a tile edge, a C of two tile rows.
+SPLIT_CASES = [
+    (1, 136, 1100, (128, 3)), (7, 264, 700, (256, 2)), (64, 520, 1030, (128, 4)),
+    (129, 130, 520, (128, 2)), (128, 256, 2100, (256, 5)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_cute_split_k_edges(monkeypatch, layout, dtype, case):
+    """Step 3's split path on forced plans, all four layouts, against the float64 stand-in:
+    with 3 SMs' worth of blocks, each block runs several units and its ring runs on from one
+    to the next; then beta == 0 over a NaN C with any strides (C transposed)."""
+    implementation("cute")  # skips without a GPU
+    m, n, k, forced = case
+    monkeypatch.setattr(cute_step3, "split_plan", lambda *_: forced)
+    monkeypatch.setattr(cute_step3, "sm_count", lambda device: 3)
+    A = padded_matrix(m, k, dtype, layout[0] == "T")
+    B = padded_matrix(k, n, dtype, layout[1] == "T")
+    assert cute_step3.choose_split(A, B, False)[2:] == forced
+    nan_C = torch.full((n, m), float("nan"), device=DEVICE, dtype=dtype).T
+    for beta, C in ((BETA, padded_matrix(m, n, dtype, False)), (0.0, nan_C)):
+        exact = float64_gemm(ALPHA, A, B, beta, C)
+        bound = error_bound("cute", ALPHA, A, B, beta, C, exact, STAND_IN_ERROR(k))
+        cute_impl.gemm(ALPHA, A, B, beta, C)
+        assert_within_bound(C, exact, bound, f"split {layout} beta={beta}")
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 128])
+@pytest.mark.parametrize("nk", DECODE_NK, ids=str)
+def test_cute_split_k_decode(m, nk):
+    """The decode shapes themselves, NT (x times W^T) in bfloat16, on split_plan's own choice,
+    against the float64 stand-in; two calls give the same bits, and so does a run with 3
+    blocks, which hands the units to blocks in another order: each element's sum depends on
+    the plan only."""
+    implementation("cute")  # skips without a GPU
+    n, k = nk
+    A = random_matrix(m, k, torch.bfloat16)
+    B = random_matrix(k, n, torch.bfloat16, transposed=True)
+    C = random_matrix(m, n, torch.bfloat16)
+    assert cute_step3.choose_split(A, B, False) is not None
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    first, second, few_blocks = C.clone(), C.clone(), C.clone()
+    cute_impl.gemm(ALPHA, A, B, BETA, first)
+    assert_within_bound(first, exact, bound, f"decode m={m}")
+    cute_impl.gemm(ALPHA, A, B, BETA, second)
+    assert_same_bits(second, first, "a second call")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cute_step3, "sm_count", lambda device: 3)
+        cute_impl.gemm(ALPHA, A, B, BETA, few_blocks)
+    assert_same_bits(few_blocks, first, "3 blocks against one a unit")
+
+
+def test_cute_split_k_in_a_cuda_graph():
+    """Captured in a CUDA graph, the split path (its workspace from torch's allocator inside
+    the capture) replays on fresh inputs with the bits of an eager call."""
+    implementation("cute")  # skips without a GPU
+    m, n, k = 16, 4096, 4096
+    A = random_matrix(m, k, torch.bfloat16)
+    B = random_matrix(k, n, torch.bfloat16, transposed=True)
+    C = random_matrix(m, n, torch.bfloat16)
+    assert cute_step3.choose_split(A, B, False) is not None
+    cute_impl.gemm(ALPHA, A, B, BETA, C)  # compiles and loads the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_impl.gemm(ALPHA, A, B, BETA, C)
+    A.copy_(random_matrix(m, k, torch.bfloat16))
+    C.copy_(random_matrix(m, n, torch.bfloat16))
+    eager = C.clone()
+    graph.replay()
+    cute_impl.gemm(ALPHA, A, B, BETA, eager)
+    torch.cuda.synchronize()
+    assert_same_bits(C, eager, "replayed against eager")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")

@@ -1,24 +1,26 @@
-"""gemm in the CuTe DSL, step 3: operands TMA cannot take, staged (README.md, "Step 3").
+"""gemm in the CuTe DSL, step 4: operands TMA cannot take, staged (README.md, "Step 4").
 
-Compared with step 2 (cute_2_tma_wgmma.py), this adds a staging copy in front of the Hopper
-kernel. TMA fetches tiles only from a matrix whose contiguous dimension has stride 1 and whose
-other stride and base address are multiples of 16 bytes, and TF32 wgmma reads K-major operands
-only. A bfloat16 A of k = 3079 columns has rows 6158 bytes apart, so step 2 hands the whole
-product to step 1's CUDA-core kernel, several times slower than the tensor cores. Here such an
-operand is first copied, exactly, into a new K-major buffer whose other stride is rounded up to
-16 bytes (`k_major_copy`), and step 2 runs on the copy.
+Compared with step 3 (cute_3_split_k.py), this adds a staging copy in front of the tensor-core
+kernels of steps 2 and 3. TMA fetches tiles only from a matrix whose contiguous dimension has
+stride 1 and whose other stride and base address are multiples of 16 bytes, and TF32 wgmma reads
+K-major operands only. A bfloat16 A of k = 3079 columns has rows 6158 bytes apart, so step 2
+hands the whole product to step 1's CUDA-core kernel, several times slower than the tensor
+cores. Here such an operand is first copied, exactly, into a new K-major buffer whose other
+stride is rounded up to 16 bytes (`k_major_copy`), and step 3 runs on the copy (splitting k or
+handing it to step 2).
 
-The copy changes no value, so the bound is step 2's. It costs one read and one write of the
-operand: a 4097 x 3079 bfloat16 A is 25 MB each way, about 12 us at 4.2 TB/s, against about
-1 ms that cuBLAS spends on the whole product at 4097 x 5121 x 3079. It also takes the operand's
-memory once more while the call runs. A dimension of 2**31 or more is beyond TMA whatever the
-strides, and stays on step 1.
+The copy changes no value, so the bound is the earlier steps'. It costs one read and one write
+of the operand: a 4097 x 3079 bfloat16 A is 25 MB each way, about 12 us at 4.2 TB/s, against
+about 1 ms that cuBLAS spends on the whole product at 4097 x 5121 x 3079. It also takes the
+operand's memory once more while the call runs. A dimension of 2**31 or more is beyond TMA
+whatever the strides, and stays on step 1.
 """
 
 import torch
 
 from cute_1_tiled import checked_scalars
-from cute_2_tma_wgmma import TMA_ALIGN_BYTES, TMA_MAX_DIM, run, tma_major
+from cute_2_tma_wgmma import TMA_ALIGN_BYTES, TMA_MAX_DIM, tma_major
+from cute_3_split_k import run_checked
 
 
 def k_major_copy(t, k_dim):
@@ -34,14 +36,14 @@ def k_major_copy(t, k_dim):
 
 
 def tma_takes(t, k_dim, k_major_only):
-    """True when step 2 can load t as it is: TMA takes it, K-major if `k_major_only`."""
+    """True when steps 2 and 3 can load t as it is: TMA takes it, K-major if `k_major_only`."""
     major = tma_major(t)
     k_major = "rows" if k_dim == 1 else "cols"
     return major == k_major or (major is not None and not k_major_only)
 
 
 def staged_operands(A, B, allow_tf32):
-    """(A, B) as step 2's Hopper kernel will take them: each operand the tensor cores would
+    """(A, B) as the tensor-core kernels will take them: each operand the tensor cores would
     multiply but TMA cannot load replaced by its `k_major_copy`. IEEE float32 stays on the CUDA
     cores, and a dimension TMA cannot count (2**31 or more) on step 1, copies or not."""
     if A.dtype == torch.float32 and not allow_tf32:
@@ -58,12 +60,9 @@ def staged_operands(A, B, allow_tf32):
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
     """C = alpha*A@B + beta*C for CUDA tensors of one dtype, in float32; returns C. Validated
-    first; then what the tensor cores multiply is staged where TMA cannot read it, and step 2
+    first; then what the tensor cores multiply is staged where TMA cannot read it, and step 3
     runs (alpha32 == 0 or k == 0 reads neither operand, so nothing is copied)."""
     alpha32, beta32, read_ab, read_c = checked_scalars(alpha, A, B, beta, C)
-    if C.numel() == 0:  # m == 0 or n == 0: nothing to compute, no launch
-        return C
-    if read_ab:
+    if read_ab and C.numel() > 0:  # m == 0 or n == 0: nothing to compute, nothing to copy
         A, B = staged_operands(A, B, allow_tf32)
-    run(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
-    return C
+    return run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
