@@ -208,8 +208,8 @@ def gemv_kernel(
         # column-major tile it runs along the contiguous dimension and is constant over 16
         # rows when m is a multiple of 16, which is also when the columns start 16-byte
         # aligned. The columns of the last step, when partial, pay for their own mask.
-        # A part past n (n // BLOCK_N steps over `splits` parts can leave the last ones empty)
-        # takes no step and stores zeros.
+        # A part that starts past n (parts of ceil(steps / splits) steps can leave the last
+        # ones empty) takes no step and stores zeros.
         full_cols_stop = tl.maximum(cols_start, tl.minimum(cols_stop, n // BLOCK_N * BLOCK_N))
         for col_start in range(cols_start, full_cols_stop, BLOCK_N):
             offs_n = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
