@@ -1,16 +1,17 @@
 """GPU probe for the column split (issue 13): timings against cuBLAS, then the tests.
 
-    cd gemv && python probe_gemv.py [--no-tests] [--tests-only]
+    cd gemv && python probe_gemv.py [--no-tests] [--tests-only] [--all-tests]
 
 1. Timings, implementations interleaved (rotated order, ROUNDS rounds, median of the rounds'
    medians): triton.testing.do_bench, which flushes L2 before every call, of torch.addmv
    (cuBLAS), triton_impl.gemv and cute_impl.gemv at 4096^2, 8192^2 and 16384^2, float32 and
    bfloat16, row- and column-major A, with the parts each kernel cut the columns into.
-2. A sweep of forced part counts (1 .. 16) for the column-major kernels at 4096^2 and 8192^2
+2. A sweep of forced part counts (1 .. 8) for the column-major kernels at 4096^2 and 8192^2
    and the row-major ones at 4096^2: what the split rule should pick, measured.
 3. Host cost per call (wall time of back-to-back calls) at 64 x 64 (unsplit) and at 4096^2
    column-major bfloat16 (split), against torch.addmv.
-4. pytest -q test.py in a child process, in whatever is left of TIME_BUDGET_S.
+4. pytest -q test.py in a child process, in whatever is left of TIME_BUDGET_S: the tests of
+   what the split touches (TEST_SELECTION), or every test with --all-tests.
 Every case is caught and reported; results go to stdout and, when $OUT is set, to
 $OUT/probe_gemv.json.
 """
@@ -46,7 +47,11 @@ ROUNDS = 3
 SIZES = [4096, 8192, 16384]
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = ["row", "col"]
-SWEEP_SPLITS = [1, 2, 4, 8, 16]
+SWEEP_SPLITS = [1, 2, 4, 8]
+TEST_SELECTION = (
+    "split or matches_reference or views_inside or repeatability or cuda_graph or zero_scalars"
+    " or special_values or 2_to_31 or at_h200_sizes or ptx"
+)
 RESULTS = {"device": None, "timing": [], "sweep": [], "host_us": [], "pytest": None, "errors": []}
 
 
@@ -234,8 +239,10 @@ def run_tests():
     if left < 20:
         RESULTS["pytest"] = {"skipped": f"only {left} s left of the budget"}
         return
-    command = [sys.executable, "-m", "pytest", "test.py", "-q", "-rfEs", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "test.py", "-q", "-rfE", "-p", "no:cacheprovider",
                "-W", "ignore::RuntimeWarning", "-W", "ignore::UserWarning"]  # fmt: skip
+    if "--all-tests" not in sys.argv:
+        command += ["-k", TEST_SELECTION]
     say(f"pytest with {left} s left: {' '.join(command[1:])}")
     try:
         child = subprocess.run(
