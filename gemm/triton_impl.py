@@ -100,10 +100,10 @@ def ceil_div(a, b):
 
 
 def tiers_of(dtype, allow_tf32):
-    """(the tiers to try, largest first, and the fallback) for `dtype`, each with its BLOCK_K:
-    128 bytes of each row of an A tile, 32 float32 or 64 16-bit values (one cache line, and the
-    k extent of a few wgmma instructions). float32 with TF32 runs on the tensor cores and takes
-    their shape."""
+    """(the tiers to try, largest first; the fallback; the one-row tiles by height) for
+    `dtype`, each with its BLOCK_K: 128 bytes of each row of an A tile, 32 float32 or 64 16-bit
+    values (one cache line, and the k extent of a few wgmma instructions). float32 with TF32
+    runs on the tensor cores and takes their shape."""
     block_k = {"BLOCK_K": 128 // dtype.itemsize}
     if dtype != torch.float32:
         tiers = [LARGE_TENSOR_CORE, MEDIUM_TENSOR_CORE]
