@@ -142,8 +142,8 @@ def configuration(m, n, k, dtype, allow_tf32=False):
     """The launch's constants for an m x n C of `dtype` summed over k (k = 0: nothing read):
     one row of tiles for m <= ONE_ROW, else the first tier of which C has at least one tile per
     SM, else the small one (`tiers_of`); SPLITS ranges of k_per_split (a whole number of k
-    steps), none empty. Cached: a model calls a few shapes over and over. The dicts are shared;
-    nobody edits them."""
+    steps), none empty; the precision of tl.dot. Cached, so that a call builds no dict: a model
+    calls a few shapes over and over. The dicts are shared; nobody edits them."""
     tiers, small, rows = TIERS[dtype, bool(allow_tf32)]
     if m <= ONE_ROW:
         tile = rows[max(16, 1 << (m - 1).bit_length())]
@@ -152,7 +152,12 @@ def configuration(m, n, k, dtype, allow_tf32=False):
     block_k = tile["BLOCK_K"]
     splits = split_count(tiles_of(m, n, tile), ceil_div(k, block_k))
     k_per_split = ceil_div(ceil_div(k, splits), block_k) * block_k
-    return {**tile, "SPLITS": ceil_div(k, k_per_split) if k else 1, "k_per_split": k_per_split}
+    return {
+        **tile, "SPLITS": ceil_div(k, k_per_split) if k else 1, "k_per_split": k_per_split,
+        # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
+        "INPUT_PRECISION": "tf32" if allow_tf32 and dtype == torch.float32 else "ieee",
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16, "GROUP_M": GROUP_M,
+    }  # fmt: skip
 
 
 def additions(m, n, k, dtype, allow_tf32=False):
@@ -444,17 +449,12 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     if m == 0 or n == 0:
         return C
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
-    # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
     tf32 = A.dtype == torch.float32 and bool(allow_tf32)
-    read_ab = alpha32 != 0.0 and k > 0
+    read_ab, read_c = alpha32 != 0.0 and k > 0, beta32 != 0.0
     config = configuration(m, n, k if read_ab else 0, A.dtype, tf32)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     units = ceil_div(m, block_m) * ceil_div(n, block_n) * config["SPLITS"]
     path = choose_path(A, B, read_ab and on_tensor_cores(A.dtype, tf32))
-    common = {
-        "READ_C": beta32 != 0.0, "INPUT_PRECISION": "tf32" if tf32 else "ieee",
-        "UPCAST": INTERPRETED and A.dtype == torch.bfloat16, "GROUP_M": GROUP_M, **config,
-    }  # fmt: skip
     with device:
         partials = counters = None  # one range of k: the kernels touch neither
         if config["SPLITS"] > 1:
@@ -463,7 +463,8 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         if path == "pointer":
             gemm_kernel[(units,)](
                 A, B, C, partials, counters, m, n, k, A.stride(0), A.stride(1), B.stride(0),
-                B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab, **common,
+                B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab,
+                READ_C=read_c, **config,
             )  # fmt: skip
             return C
         if path == "staged":
@@ -475,6 +476,7 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         programs = units if config["SPLITS"] > 1 else min(units, SM_COUNT)
         gemm_tma_kernel[(programs,)](
             a_desc, b_desc, C, partials, counters, m, n, k, C.stride(0), C.stride(1), alpha32,
-            beta32, A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, **common,
+            beta32, A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, READ_C=read_c,
+            **config,
         )  # fmt: skip
     return C
