@@ -9,9 +9,11 @@
    triton.testing.do_bench median (L2 flushed before every call). Cases: 8192^3 bf16 and fp16 in
    NN, NT, TN, TT; the 7B projections in NT bf16 (m 4096 and 16384); decode NT bf16, m in
    (1, 16, 64, 128) x (n, k) in ((4096, 4096), (11008, 4096), (4096, 11008)); 4097 x 5121 x 3079
-   bf16 NN on the staged path and, forced, on the pointer kernel; and a sweep of the split count
-   and the pipeline depth at two decode shapes, the variants the rule did not pick. Each row:
-   our ms, cuBLAS ms, ratio (cuBLAS / ours: above 1 is faster), the path and the plan.
+   bf16 NN on the staged path and, forced, on the pointer kernel; float32 with TF32 at 4096^3 in
+   NT (K-major operands) and NN (a pass through registers for B), NN also on the pointer
+   kernel; and a sweep of the split count and the pipeline depth at two decode shapes, the
+   variants the rule did not pick. Each row: our ms, cuBLAS ms, ratio (cuBLAS / ours: above 1
+   is faster), the path and the plan.
 """
 
 import contextlib
@@ -27,12 +29,13 @@ from pathlib import Path
 import torch
 import triton
 
+import torch_impl
 import triton_impl
 
 HERE = Path(__file__).resolve().parent
 START = time.monotonic()
-BUDGET_S = 225  # the whole probe, under the lead's four minutes
-PYTEST_S = 110  # the test part's share
+BUDGET_S = 215  # the whole probe after its imports, under the lead's four minutes
+PYTEST_S = 105  # the test part's share
 PARALLEL = 4
 ROUNDS = 3
 ALPHA, BETA = 1.0, 0.5  # C stays bounded over the repeated in-place calls
@@ -110,31 +113,34 @@ def median_ms(fn, rep):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def plan_of(A, B, m, n, k):
-    config = triton_impl.configuration(m, n, k, A.dtype, False)
+def plan_of(A, B, m, n, k, tf32):
+    config = triton_impl.configuration(m, n, k, A.dtype, tf32)
     path = triton_impl.choose_path(A, B, True)
     tile = f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']}"
     return f"{path} {tile} w{config['num_warps']} s{config['num_stages']} splits={config['SPLITS']}"
 
 
 def time_case(name, m, n, k, dtype, layout, rep):
-    """One row: ours against torch.addmm on the same operands, interleaved in ROUNDS rounds."""
+    """One row: ours against torch.addmm on the same operands, interleaved in ROUNDS rounds.
+    float32 runs TF32 in both (cuBLAS with torch's TF32 flag set for its calls only)."""
     A = operand(m, k, dtype, layout[0] == "T")
     B = operand(k, n, dtype, layout[1] == "T")
     C = torch.randn(m, n, device="cuda").to(dtype)
-    ours = lambda: triton_impl.gemm(ALPHA, A, B, BETA, C)  # noqa: E731
+    tf32 = dtype == torch.float32
+    ours = lambda: triton_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)  # noqa: E731
     cublas = lambda: C.addmm_(A, B, beta=BETA, alpha=ALPHA)  # noqa: E731
     ours()  # compile outside the timing
     times = {"ours": [], "cublas": []}
     for round_ in range(ROUNDS):
         order = [("ours", ours), ("cublas", cublas)][:: 1 if round_ % 2 == 0 else -1]
         for label, fn in order:
-            times[label].append(median_ms(fn, rep))
+            with torch_impl.float32_matmul_precision(C.device, tf32 and label == "cublas"):
+                times[label].append(median_ms(fn, rep))
     ours_ms, cublas_ms = statistics.median(times["ours"]), statistics.median(times["cublas"])
     flops = 2.0 * m * n * k
     return {
         "case": name, "m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."),
-        "layout": layout, "plan": plan_of(A, B, m, n, k), "ours_ms": round(ours_ms, 5),
+        "layout": layout, "plan": plan_of(A, B, m, n, k, tf32), "ours_ms": round(ours_ms, 5),
         "cublas_ms": round(cublas_ms, 5), "ratio": round(cublas_ms / ours_ms, 3),
         "ours_TFLOPs": round(flops / ours_ms / 1e9, 1),
         "weight_GBps": round(2.0 * n * k / ours_ms / 1e6, 0) if m <= 128 else None,
@@ -142,10 +148,10 @@ def time_case(name, m, n, k, dtype, layout, rep):
 
 
 @contextlib.contextmanager
-def planned(splits=None, num_stages=None, stage_min_reuse=None):
+def planned(splits=None, num_stages=None, path=None):
     """Force a variant of the rule's plan for the cases inside: a split count, a pipeline depth,
-    or a staging threshold."""
-    rule, threshold = triton_impl.configuration, triton_impl.STAGE_MIN_REUSE
+    or the path."""
+    rule, choose = triton_impl.configuration, triton_impl.choose_path
 
     def forced(m, n, k, dtype, allow_tf32=False):
         config = dict(rule(m, n, k, dtype, allow_tf32))
@@ -158,12 +164,12 @@ def planned(splits=None, num_stages=None, stage_min_reuse=None):
         return config
 
     triton_impl.configuration = forced
-    if stage_min_reuse is not None:
-        triton_impl.STAGE_MIN_REUSE = stage_min_reuse
+    if path is not None:
+        triton_impl.choose_path = lambda A, B, tensor_cores: path
     try:
         yield
     finally:
-        triton_impl.configuration, triton_impl.STAGE_MIN_REUSE = rule, threshold
+        triton_impl.configuration, triton_impl.choose_path = rule, choose
 
 
 def cases():
@@ -178,8 +184,9 @@ def cases():
         for m in DECODE_M:
             yield "decode", {}, m, n, k, torch.bfloat16, "NT", 20
     yield "misaligned", {}, 4097, 5121, 3079, torch.bfloat16, "NN", 50
-    pointer = {"stage_min_reuse": 10**9}  # the threshold out of reach: the pointer kernel
-    yield "misaligned", pointer, 4097, 5121, 3079, torch.bfloat16, "NN", 50
+    yield "misaligned", {"path": "pointer"}, 4097, 5121, 3079, torch.bfloat16, "NN", 50
+    for layout, variant in (("NT", {}), ("NN", {}), ("NN", {"path": "pointer"})):
+        yield "tf32", variant, 4096, 4096, 4096, torch.float32, layout, 50
     for m, n, k in ((1, 4096, 4096), (128, 4096, 4096)):
         chosen = triton_impl.configuration(m, n, k, torch.bfloat16)["SPLITS"]
         for splits in sorted({1, 2, 4, 8} - {chosen}):
