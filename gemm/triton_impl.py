@@ -266,9 +266,9 @@ def finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, RE
 def load_tile(desc, row, col, TRANSPOSED: tl.constexpr):
     """The tile at (row, col) of an operand given by its TMA descriptor. A transposed operand is
     described as the contiguous matrix it is the transpose of, so its tile is fetched at
-    (col, row) and transposed in shared memory. One return: Triton 3.6 compiles the code after
-    an `if` whose branch returns (both returns, of transposed shapes, failed to compile) where
-    Python, and so the interpreter, skips it."""
+    (col, row) and transposed in shared memory. One return statement: after an `if` whose
+    branch returns, Triton 3.6 still compiles the code that follows, which Python (and so the
+    interpreter) skips, and two returns of transposed shapes failed to compile."""
     if TRANSPOSED:
         tile = desc.load([col, row]).T
     else:
