@@ -122,21 +122,24 @@ def abs_product(A, B, rows=1024):
     return torch.cat(blocks).cpu()
 
 
-def roundings(impl, k, dtype, allow_tf32=False):
+def roundings(impl, m, n, k, dtype, allow_tf32=False):
     """README.md's count of roundings on one term alpha a_il b_lj's way to c_ij.
 
     The product: one for float32 data in IEEE mode, none for 16-bit or TF32 inputs, whose
     products (at most 11 + 11 significant bits) are exact in float32. The sum: tl.dot's order
     inside a tile is not documented, and the accumulator enters the tensor cores' chain, so each
     step is bounded as a serial sum of acc and its BLOCK_K products; additions of the masked
-    zeros are exact, so k additions in all, whatever BLOCK_K is. torch's library order is
-    undocumented too: also k. Then alpha * acc and the addition of beta * c: two.
+    zeros are exact, so k additions in all, whatever BLOCK_K is. Triton splits k for a C of few
+    tiles: a range's serial chain, then the fixed-order sum of the partials, as many as
+    triton_impl.additions says (never more than k). torch's library order is undocumented: k.
+    Then alpha times the sum (or each partial) and the addition of beta * c: two.
 
     CuTe's split k (step 3) sums each slice of k on its own, k_s values, and then adds the S
     partials in order: a term meets at most k_s + S - 1 additions, and as every slice holds at
     least one k value (test_cute_split_plan), k_s <= k - (S - 1): k in all, the same count."""
     product = 1 if dtype == torch.float32 and not allow_tf32 else 0
-    return product + k + 2
+    additions = triton_impl.additions(m, n, k, dtype, allow_tf32) if impl == "triton" else k
+    return product + additions + 2
 
 
 def error_bound(impl, alpha, A, B, beta, C, exact, exact_error=REFERENCE_ERROR, allow_tf32=False):
@@ -161,7 +164,7 @@ def error_bound(impl, alpha, A, B, beta, C, exact, exact_error=REFERENCE_ERROR, 
     u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
     tf32 = allow_tf32 and dtype == torch.float32
     input_error = (1 + TF32_INPUT_ERROR) ** (2 * tf32)
-    c_a = (1 + gamma(roundings(impl, k, dtype, tf32), U32)) * input_error - 1
+    c_a = (1 + gamma(roundings(impl, m, n, k, dtype, tf32), U32)) * input_error - 1
     c_b = gamma(k + 2 if impl == "torch" else 2, U32)
     if impl == "torch":
         extra = (1 + u_s) ** TORCH_EXTRA_ROUNDINGS
@@ -191,60 +194,17 @@ def test_matches_reference(impl, layout, dtype, shape):
     check(impl, ALPHA, A, B, BETA, C, layout)
 
 
-@pytest.mark.parametrize("layout", ["NN", "TT"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_large_tiles(monkeypatch, layout, dtype):
-    """The large configurations (128 x 256 and 128 x 128 on the tensor cores, 128 x 64 for IEEE
-    float32), which the rule picks only for a C of 132 tiles or more (too big for the
-    interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once."""
-    configs = {tuple(triton_impl.configuration(s, s, dtype).items()) for s in (4096, 2048)}
-    assert len(configs) == (1 if dtype == torch.float32 else 2)
-    for config in configs:
-        config = dict(config)
-        assert config["BLOCK_M"] == 128 and config["BLOCK_N"] in (64, 128, 256)
-        monkeypatch.setattr(triton_impl, "configuration", lambda *_, fixed=config: fixed)
-        A, B, C = operands(129, 130, 65, dtype, layout)
-        check("triton", ALPHA, A, B, BETA, C, f"tiles {config}")
+@pytest.fixture
+def sm_count(monkeypatch):
+    """set(count) makes triton_impl plan for `count` SMs for the rest of the test; configuration's
+    cache is emptied then and afterwards, so no plan made for one count serves another."""
 
+    def set_count(count):
+        monkeypatch.setattr(triton_impl, "SM_COUNT", count)
+        triton_impl.configuration.cache_clear()
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_grouped_order(impl):
-    """577 rows make 10 tile rows: one full group of GROUP_M = 8 and a short one of 2, whose
-    tiles must all be computed once and in their right place."""
-    A, B, C = operands(577, 130, 3, torch.float32, "NT")
-    check(impl, ALPHA, A, B, BETA, C, "two groups")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tma_path(monkeypatch, layout, dtype):
-    """Row-major operands with 16-byte aligned rows take the persistent TMA kernel on the tensor
-    cores: 16-bit data, and float32 with TF32 only (IEEE float32 stays on the pointer kernel);
-    a transposed operand takes the pointer kernel. Two programs for 3 x 4 tiles of 64 x 64, so
-    each program walks several tiles; k = 72 ends on a partial k step that TMA fills with 0."""
-    monkeypatch.setattr(triton_impl, "SM_COUNT", 2)
-    launched = []
-    for name in ("gemm_kernel", "gemm_tma_kernel"):
-        kernel = getattr(triton_impl, name)
-        monkeypatch.setattr(triton_impl, name, LaunchRecorder(kernel, name, launched))
-    A, B, C = operands(136, 200, 72, dtype, layout)
-    assert triton_impl.tma_ready(A) == (layout[0] == "N")
-    assert triton_impl.tma_ready(B) == (layout[1] == "N")
-    for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
-        launched.clear()
-        out = C.clone()
-        exact = reference.gemm(ALPHA, A.cpu(), B.cpu(), BETA, C.cpu())
-        bound = error_bound("triton", ALPHA, A, B, BETA, C, exact, REFERENCE_ERROR, allow_tf32)
-        triton_impl.gemm(ALPHA, A, B, BETA, out, allow_tf32=allow_tf32)
-        assert_within_bound(out, exact, bound, f"{layout} tf32={allow_tf32}")
-        tensor_cores = dtype != torch.float32 or allow_tf32
-        tma = tensor_cores and layout == "NN"
-        assert launched == ["gemm_tma_kernel" if tma else "gemm_kernel"]
-    padded = torch.empty(136, 80, dtype=dtype, device=DEVICE)
-    assert triton_impl.tma_ready(padded[:, :73])  # rows 160 or 320 bytes apart
-    assert not triton_impl.tma_ready(padded[:, :74].contiguous())  # rows 148 or 296 bytes apart
-    assert not triton_impl.tma_ready(padded[:, 1:])  # its address is off the 16-byte grid
-    assert not triton_impl.tma_ready(padded[:, ::2])  # no stride 1
+    yield set_count
+    triton_impl.configuration.cache_clear()
 
 
 class LaunchRecorder:
@@ -259,21 +219,217 @@ class LaunchRecorder:
         return self.kernel[grid]
 
 
+# The kernel each of triton_impl's paths launches.
+KERNEL_OF_PATH = {"pointer": "gemm_kernel", "tma": "gemm_tma_kernel", "staged": "gemm_tma_kernel"}
+
+
+def record_launches(monkeypatch):
+    """The list of the names of the Triton kernels launched from now on in this test."""
+    launched = []
+    for name in ("gemm_kernel", "gemm_tma_kernel"):
+        kernel = getattr(triton_impl, name)
+        monkeypatch.setattr(triton_impl, name, LaunchRecorder(kernel, name, launched))
+    return launched
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["any rows", "16-byte rows"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_tiles(monkeypatch, aligned, layout, dtype):
+    """The large configurations (128 x 256 and 128 x 128 on the tensor cores, 128 x 64 for IEEE
+    float32), which the rule picks only for a C of 132 tiles or more (too big for the
+    interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once. Operands with
+    rows (or, transposed, columns) of any length take the pointer kernel, 16-byte aligned ones
+    the TMA kernel (on the tensor cores), in all four layouts."""
+    configs = {tuple(triton_impl.configuration(s, s, 65, dtype).items()) for s in (4096, 2048)}
+    assert len(configs) == (1 if dtype == torch.float32 else 2)
+    m, n, k = 129, 130, 65
+    matrix = padded_matrix if aligned else random_matrix
+    A, B = matrix(m, k, dtype, layout[0] == "T"), matrix(k, n, dtype, layout[1] == "T")
+    path = "tma" if aligned and dtype != torch.float32 else "pointer"
+    assert triton_impl.choose_path(A, B, dtype != torch.float32) == path
+    launched = record_launches(monkeypatch)
+    for config in configs:
+        config = dict(config)
+        assert config["BLOCK_M"] == 128 and config["BLOCK_N"] in (64, 128, 256)
+        assert config["SPLITS"] == 1
+        monkeypatch.setattr(triton_impl, "configuration", lambda *_, fixed=config: fixed)
+        check("triton", ALPHA, A, B, BETA, random_matrix(m, n, dtype), f"tiles {config}")
+    assert launched == [KERNEL_OF_PATH[path]] * len(configs)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_grouped_order(impl):
+    """577 rows make 10 tile rows: one full group of GROUP_M = 8 and a short one of 2, whose
+    tiles must all be computed once and in their right place."""
+    A, B, C = operands(577, 130, 3, torch.float32, "NT")
+    check(impl, ALPHA, A, B, BETA, C, "two groups")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tma_path(sm_count, monkeypatch, layout, dtype):
+    """Operands whose rows, or (transposed) columns, are 16-byte aligned take the persistent
+    TMA kernel on the tensor cores in all four layouts: 16-bit data, and float32 with TF32
+    (IEEE float32 stays on the pointer kernel). Planned for 5 SMs, C has 2 tiles of 128 x 256
+    and 4 of 128 x 128, so it takes 12 of 64 x 64 on five programs, each walking two or three;
+    k = 72 ends on a partial k step that TMA fills with 0."""
+    sm_count(5)
+    launched = record_launches(monkeypatch)
+    A, B, C = operands(136, 200, 72, dtype, layout)
+    assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
+    for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
+        tensor_cores = dtype != torch.float32 or allow_tf32
+        path = "tma" if tensor_cores else "pointer"
+        assert triton_impl.choose_path(A, B, tensor_cores) == path
+        if tensor_cores:
+            config = triton_impl.configuration(136, 200, 72, dtype, allow_tf32)
+            assert (config["BLOCK_M"], config["BLOCK_N"], config["SPLITS"]) == (64, 64, 1)
+        launched.clear()
+        check("triton", ALPHA, A, B, BETA, C.clone(), f"{layout} tf32={allow_tf32}", allow_tf32)
+        assert launched == [KERNEL_OF_PATH[path]]
+    padded = torch.empty(136, 80, dtype=dtype, device=DEVICE)
+    assert triton_impl.tma_ready(padded[:, :73])  # rows 160 or 320 bytes apart
+    assert triton_impl.tma_ready(padded[:, :73].T)  # columns 160 or 320 bytes apart
+    assert not triton_impl.tma_ready(padded[:, :74].contiguous())  # rows 148 or 296 bytes apart
+    assert not triton_impl.tma_ready(padded[:, :74].contiguous().T)
+    assert not triton_impl.tma_ready(padded[:, 1:])  # its address is off the 16-byte grid
+    assert not triton_impl.tma_ready(padded[:, ::2])  # no stride 1
+    assert triton_impl.tma_ready(padded[::2].T)  # columns 320 or 640 bytes apart
+    assert not triton_impl.tma_ready(padded[:, ::2].T)  # no stride 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_staged_path(monkeypatch, layout, dtype):
+    """k = 41 and n = 27 give rows (or columns) of 82 and 54 bytes in 16-bit data (164 and 108
+    in float32): TMA cannot fetch A or B. With the copy worth it (STAGE_MIN_REUSE lowered to
+    fit the interpreter), each goes through aligned_copy and the TMA kernel takes them; an
+    operand TMA can fetch is not copied; A and B are left as they were; below the threshold,
+    the pointer kernel. IEEE float32 never stages."""
+    m, n, k = 150, 27, 41
+    monkeypatch.setattr(triton_impl, "STAGE_MIN_REUSE", n)
+    copied, aligned_copy = [], triton_impl.aligned_copy
+    monkeypatch.setattr(triton_impl, "aligned_copy", lambda t: copied.append(t) or aligned_copy(t))
+    launched = record_launches(monkeypatch)
+    A, B, C = operands(m, n, k, dtype, layout)
+    A_before, B_before = A.clone(), B.clone()
+    tensor_cores = dtype != torch.float32
+    assert not triton_impl.tma_ready(A) and not triton_impl.tma_ready(B)
+    path = "staged" if tensor_cores else "pointer"
+    assert triton_impl.choose_path(A, B, tensor_cores) == path
+    check("triton", ALPHA, A, B, BETA, C, f"{layout} {path}")
+    assert launched == [KERNEL_OF_PATH[path]]
+    assert [t.shape for t in copied] == ([A.shape, B.shape] if tensor_cores else [])
+    assert_same_bits(A, A_before, "A after the call")
+    assert_same_bits(B, B_before, "B after the call")
+    A_aligned = padded_matrix(m, k, dtype, layout[0] == "T")
+    copied.clear()
+    check("triton", ALPHA, A_aligned, B, BETA, C, f"{layout} {path}, A aligned")
+    assert [t.shape for t in copied] == ([B.shape] if tensor_cores else [])
+    monkeypatch.setattr(triton_impl, "STAGE_MIN_REUSE", n + 1)  # A's n = 27 products: too few
+    assert triton_impl.choose_path(A, B, tensor_cores) == "pointer"
+    assert triton_impl.choose_path(A_aligned, B, tensor_cores) == path
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "column-major"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_aligned_copy(dtype, transposed):
+    """aligned_copy keeps the values and the major order, and pads the leading dimension to the
+    next multiple of 16 bytes, so that TMA can fetch it; the strides tell the padding."""
+    t = random_matrix(37, 21, dtype, transposed)[:, 1:]  # 20 columns, off the 16-byte grid
+    copy = triton_impl.aligned_copy(t)
+    assert_same_bits(copy, t, "the copy")
+    assert triton_impl.tma_ready(copy) and not triton_impl.tma_ready(t)
+    per_16_bytes = 16 // t.itemsize
+    leading = -(-(37 if transposed else 20) // per_16_bytes) * per_16_bytes
+    assert copy.stride() == ((1, leading) if transposed else (leading, 1))
+
+
 def test_configuration_rule():
-    """BLOCK_K is 128 bytes of a row; the largest tile of which C has at least one per H200 SM:
-    128 x 256, then 128 x 128 for 16-bit data, 128 x 128 for float32 with TF32, 128 x 64 for
-    IEEE float32; else 64 x 64."""
+    """BLOCK_K is 128 bytes of a row; a C of at most 128 rows is one row of tiles 16, 32, 64 or
+    128 rows tall (the next power of two, 16 at least) and 128 wide; a taller one takes the
+    largest tile of which it has at least one per H200 SM: 128 x 256, then 128 x 128 for 16-bit
+    data, 128 x 128 for float32 with TF32, 128 x 64 for IEEE float32; else 64 x 64."""
+    rule = triton_impl.configuration
     for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
-        assert triton_impl.configuration(16384, 4096, dtype)["BLOCK_K"] == block_k
-    assert triton_impl.configuration(256, 256, torch.bfloat16)["BLOCK_M"] == 64
-    assert triton_impl.configuration(1536, 2816, torch.bfloat16)["BLOCK_N"] == 256  # 12 x 11
-    medium = triton_impl.configuration(1536, 2560, torch.bfloat16)  # 12 x 10 wide, 12 x 20
+        assert rule(16384, 4096, 4096, dtype)["BLOCK_K"] == block_k
+        for m, block_m in ((1, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 128), (128, 128)):
+            assert (rule(m, 4096, 4096, dtype)["BLOCK_M"], rule(m, 9, 9, dtype)["BLOCK_N"]) == (
+                block_m,
+                128,
+            )
+    assert rule(256, 256, 256, torch.bfloat16)["BLOCK_M"] == 64
+    assert rule(1536, 2816, 64, torch.bfloat16)["BLOCK_N"] == 256  # 12 x 11
+    medium = rule(1536, 2560, 64, torch.bfloat16)  # 12 x 10 wide, 12 x 20
     assert (medium["BLOCK_N"], medium["num_stages"]) == (128, 4)
-    assert triton_impl.configuration(1408, 1408, torch.bfloat16)["BLOCK_M"] == 64  # 11 x 11
-    assert triton_impl.configuration(1536, 768, torch.float32)["BLOCK_M"] == 128  # 12 x 12
-    assert triton_impl.configuration(1536, 640, torch.float32)["BLOCK_M"] == 64  # 12 x 10
-    tf32 = triton_impl.configuration(1536, 2816, torch.float32, True)
+    assert rule(1408, 1408, 64, torch.bfloat16)["BLOCK_M"] == 64  # 11 x 11
+    assert rule(1536, 768, 64, torch.float32)["BLOCK_M"] == 128  # 12 x 12
+    assert rule(1536, 640, 64, torch.float32)["BLOCK_M"] == 64  # 12 x 10
+    tf32 = rule(1536, 2816, 64, torch.float32, True)
     assert (tf32["BLOCK_M"], tf32["BLOCK_N"]) == (128, 128)
+
+
+def test_split_rule():
+    """k is split when C has fewer tiles than SMs, into the count that spreads tiles x splits
+    units most evenly over 132 SMs (the fewest among equals), at most MAX_SPLITS, each range a
+    whole number of k steps, MIN_SPLIT_STEPS or more, none empty; a term's additions stay
+    within k."""
+    split = triton_impl.split_count
+    assert split(132, 1000) == 1 and split(32, 7) == 1  # one tile per SM; k too short
+    assert split(32, 64) == 4  # 128 units on 132 SMs (8: 256 units, two waves, no faster)
+    assert split(86, 64) == 3  # 258 units, two waves of a third each (1 and 2: a full tile)
+    assert split(1, 1000) == triton_impl.MAX_SPLITS
+    for m, n, k, splits, k_per_split in (
+        (1, 4096, 4096, 4, 1024),  # the 7B decode step: 32 tiles of 16 x 128
+        (64, 11008, 4096, 3, 1408),  # 86 tiles; 1366 rounded up to whole k steps
+        (128, 4096, 11008, 4, 2752),
+        (16, 32768, 4096, 1, 4096),  # 256 tiles
+        (1, 4096, 192, 1, 192),  # three k steps
+    ):
+        config = triton_impl.configuration(m, n, k, torch.bfloat16)
+        assert (config["SPLITS"], config["k_per_split"]) == (splits, k_per_split), (m, n, k)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(500):
+        m, n, k = (
+            int(torch.randint(1, limit, (1,), generator=generator)) for limit in (300, 9000, 9000)
+        )
+        config = triton_impl.configuration(m, n, k, torch.bfloat16)
+        splits, k_per_split = config["SPLITS"], config["k_per_split"]
+        assert (
+            k_per_split % config["BLOCK_K"] == 0
+            and (splits - 1) * k_per_split < k <= splits * k_per_split
+        )
+        assert triton_impl.additions(m, n, k, torch.bfloat16) <= k
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 128])
+@pytest.mark.parametrize("k", [1024, 1001])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k(monkeypatch, m, k, dtype):
+    """Decode-shaped NT calls (m token rows, W = B.T of 40 x k): one row of tiles, k split four
+    ways (16-bit) or eight (float32's shorter k steps), on the TMA kernel for 16-bit and TF32
+    data whose rows TMA can fetch (k = 1024) and on the pointer kernel for IEEE float32 and for
+    k = 1001 (W is never staged: m rows reuse it too little). Within the bound with the split's
+    additions; the same bits twice; the count of each tile left at 0."""
+    n = 40
+    launched = record_launches(monkeypatch)
+    A, B, C = operands(m, n, k, dtype, "NT")
+    for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
+        config = triton_impl.configuration(m, n, k, dtype, allow_tf32)
+        assert config["SPLITS"] == (8 if dtype == torch.float32 else 4)
+        assert config["BLOCK_M"] == max(16, 1 << (m - 1).bit_length())
+        tensor_cores = dtype != torch.float32 or allow_tf32
+        path = "tma" if tensor_cores and k == 1024 else "pointer"
+        assert triton_impl.choose_path(A, B, tensor_cores) == path
+        launched.clear()
+        first, second = C.clone(), C.clone()
+        check("triton", ALPHA, A, B, BETA, first, f"split k, tf32={allow_tf32}", allow_tf32)
+        triton_impl.gemm(ALPHA, A, B, BETA, second, allow_tf32=allow_tf32)
+        assert_same_bits(second, first, "a second run")
+        assert launched == [KERNEL_OF_PATH[path]] * 2
+    for counters in triton_impl.TILE_COUNTERS.values():
+        assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
 
 
 MARGIN = 3  # rows and columns of NaN around a guarded matrix
@@ -435,6 +591,36 @@ def test_cuda_graph_replays_the_eager_call(impl, dtype):
     assert_same_bits(C, eager, "replayed against eager")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize(
+    "path, shape",
+    [("tma", (16, 264, 2048)), ("pointer", (16, 264, 2047)), ("staged", (1100, 1030, 131))],
+)
+def test_cuda_graph_replays_triton_paths(path, shape):
+    """Triton's split launches (eight ranges of k: partials from the caching allocator, counts
+    zeroed inside the capture) and its staged launch (the aligned copies captured with it)
+    replay, twice on fresh data, with the bits of eager calls; the counts end at 0."""
+    m, n, k = shape
+    A, B, C = operands(m, n, k, torch.bfloat16, "NT" if path != "staged" else "NN")
+    assert triton_impl.choose_path(A, B, True) == path
+    assert (triton_impl.configuration(m, n, k, torch.bfloat16)["SPLITS"] > 1) == (path != "staged")
+    triton_impl.gemm(ALPHA, A, B, BETA, C)  # compiles and loads the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_impl.gemm(ALPHA, A, B, BETA, C)
+    for replay in range(2):
+        A.copy_(random_matrix(*A.shape, torch.bfloat16))
+        B.copy_(random_matrix(*B.shape, torch.bfloat16))
+        C.copy_(random_matrix(m, n, torch.bfloat16))
+        eager = C.clone()
+        graph.replay()
+        triton_impl.gemm(ALPHA, A, B, BETA, eager)
+        torch.cuda.synchronize()
+        assert_same_bits(C, eager, f"replay {replay} against eager")
+    for counters in triton_impl.TILE_COUNTERS.values():
+        assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
+
+
 def tf32(values):
     """float32 values rounded to TF32's 11 significant bits, to nearest (ties away), as floats."""
     bits = values.float().contiguous().view(torch.int32)
@@ -505,9 +691,11 @@ def test_tf32_negative_control():
             assert_within_bound(leaked, exact, error_bound(impl, ALPHA, A, B, BETA, C, exact))
 
 
-# Compiles triton_impl's kernel for sm_90 without a GPU and reports, per dtype and input
-# precision, how many wgmma instructions its PTX has and whether it rounds inputs to TF32 first.
-# Run in a child process: under TRITON_INTERPRET=1 the kernel cannot be compiled.
+# Compiles triton_impl's kernels for sm_90 without a GPU and reports what each build's PTX has:
+# wgmma or mma.sync instructions, TMA copies, a rounding of inputs to TF32, the split launch's
+# atomic count with the barrier before it and its L2 reads of the partials. Pointers are given
+# the 16-byte alignment Triton sees at a launch. Run in a child process: under
+# TRITON_INTERPRET=1 the kernels cannot be compiled.
 TRITON_PTX_SCRIPT = """
 import json
 import torch
@@ -516,29 +704,56 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton_impl
 
-def ptx(dtype, precision):
-    config = triton_impl.configuration(4096, 4096, dtype, precision == "tf32")
+def facts(kernel_name, dtype, precision, layout, m, n, k):
+    kernel = getattr(triton_impl, kernel_name)
+    config = triton_impl.configuration(m, n, k, getattr(torch, dtype), precision == "tf32")
+    bm, bn, bk, splits = (config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLITS"))
+    a_t, b_t = layout[0] == "T", layout[1] == "T"
+    element = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     constexprs = {"READ_AB": True, "READ_C": True, "INPUT_PRECISION": precision, "UPCAST": False,
-                  "GROUP_M": triton_impl.GROUP_M, "stride_ak": 1, "stride_bn": 1, "stride_cn": 1,
-                  **{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
-    element = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    kinds = {"a_ptr": element, "b_ptr": element, "c_ptr": element, "alpha": "fp32", "beta": "fp32"}
+                  "GROUP_M": triton_impl.GROUP_M, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                  "SPLITS": splits, "A_TRANSPOSED": a_t, "B_TRANSPOSED": b_t,
+                  "stride_ak": 1, "stride_bn": 1, "stride_cn": 1}  # the pointer kernel: NN
+    if splits == 1:
+        constexprs.update(partials_ptr=None, counters_ptr=None)
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    a_block, b_block = [bk, bm] if a_t else [bm, bk], [bn, bk] if b_t else [bk, bn]
+    kinds = {"a_desc": f"tensordesc<{element}{a_block}>",
+             "b_desc": f"tensordesc<{element}{b_block}>", "a_ptr": "*" + element,
+             "b_ptr": "*" + element, "c_ptr": "*" + element,
+             "partials_ptr": "*fp32", "counters_ptr": "*i32", "alpha": "fp32", "beta": "fp32"}
     signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
-                 for name in triton_impl.gemm_kernel.arg_names}
+                 for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*")}
     options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    source = ASTSource(triton_impl.gemm_kernel, signature, constexprs)
-    text = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    return [text.count("wgmma.mma_async"), "cvt.rna.tf32" in text]
+    source = ASTSource(kernel, signature, constexprs, aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    atomic = ptx.find("atom.global.gpu.acq_rel.add")
+    after_stores = ptx[ptx.rfind("st.global", 0, atomic) : atomic] if atomic >= 0 else ""
+    return {"wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync.aligned"),
+            "tma": ptx.count("cp.async.bulk.tensor"), "tf32 rounded": "cvt.rna.tf32" in ptx,
+            "atomics": ptx.count("atom.global"), "barrier first": "bar.sync" in after_stores,
+            "L2 reads": ptx.count("ld.global.cg")}
 
-print(json.dumps({f"{dtype} {precision}": ptx(getattr(torch, dtype), precision)
-                  for dtype, precision in (("bfloat16", "ieee"), ("float16", "ieee"),
-                                           ("float32", "ieee"), ("float32", "tf32"))}))
+TENSOR_CORES = [("bfloat16", "ieee"), ("float16", "ieee"), ("float32", "tf32")]
+builds = [("gemm_kernel", dtype, precision, "NN", 4096, 4096, 4096)
+          for dtype, precision in TENSOR_CORES + [("float32", "ieee")]]
+builds += [("gemm_tma_kernel", dtype, precision, layout, 4096, 4096, 4096)
+           for dtype, precision in TENSOR_CORES for layout in ("NN", "NT", "TN", "TT")]
+builds += [("gemm_tma_kernel", "bfloat16", "ieee", "NT", m, 4096, 4096) for m in (1, 64)]
+builds += [("gemm_kernel", "float32", "ieee", "NN", 1, 4096, 4096)]
+print(json.dumps({" ".join(map(str, build)): facts(*build) for build in builds}))
 """
 
 
 def test_triton_ptx():
-    """Built for sm_90, the kernel runs its 16-bit and TF32 tiles on wgmma, keeps IEEE float32
-    off the tensor cores, and passes TF32 inputs unrounded (the chop the TF32 bound allows)."""
+    """Built for sm_90, both kernels run 16-bit and TF32 tiles on wgmma, and keep IEEE float32
+    off the tensor cores; TF32 inputs pass unrounded (the chop the TF32 bound allows). The TMA
+    kernel compiles in all four layouts for each tensor-core type, with TMA copies. A split
+    launch has one atomic, the count, after a barrier that follows its partial stores, and
+    reads the partials from L2; a decode tile of 16 rows runs on mma.sync (wgmma's tile is 64
+    rows), one of 64 rows on wgmma."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run(
         [sys.executable, "-c", TRITON_PTX_SCRIPT],
@@ -546,10 +761,18 @@ def test_triton_ptx():
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
     found = json.loads(child.stdout)
-    assert found["bfloat16 ieee"][0] > 0 and found["float16 ieee"][0] > 0
-    assert found["float32 ieee"][0] == 0
-    tf32_wgmma, tf32_rounded = found["float32 tf32"]
-    assert tf32_wgmma > 0 and not tf32_rounded
+    for name, facts in found.items():
+        kernel, dtype, precision, layout, m, n, k = name.split()
+        split = int(m) < 128
+        assert not facts["tf32 rounded"], name
+        assert facts["atomics"] == split, name
+        if split:
+            assert facts["barrier first"] and facts["L2 reads"] > 0, name
+        if precision == "tf32" or dtype != "float32":
+            assert facts["wgmma" if int(m) >= 64 else "mma.sync"] > 0, name
+        else:
+            assert facts["wgmma"] == facts["mma.sync"] == 0, name
+        assert (facts["tma"] > 0) == (kernel == "gemm_tma_kernel"), name
 
 
 def alias(t):
@@ -770,6 +993,43 @@ def test_large_against_float64(impl, layout, dtype):
         bound = error_bound(impl, ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k), allow_tf32)
         implementation(impl)(ALPHA, A, B, BETA, out, allow_tf32=allow_tf32)
         assert_within_bound(out, exact, bound, f"{impl} {layout} tf32={allow_tf32}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008)], ids=str)
+def test_triton_decode_against_float64(m, n, k):
+    """The 7B decode shapes, NT bf16 (x @ W.T): k split over the SMs on the TMA kernel, within
+    the bound with the split's additions against float64_gemm; twenty runs, whose programs
+    arrive in whatever order, give the same bits; the counts end at 0."""
+    A, B, C = operands(m, n, k, torch.bfloat16, "NT")
+    assert triton_impl.choose_path(A, B, True) == "tma"
+    assert triton_impl.configuration(m, n, k, torch.bfloat16)["SPLITS"] > 1
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("triton", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    first = C.clone()
+    triton_impl.gemm(ALPHA, A, B, BETA, first)
+    assert_within_bound(first, exact, bound, f"triton decode {m} x {n} x {k}")
+    for run in range(20):
+        again = C.clone()
+        triton_impl.gemm(ALPHA, A, B, BETA, again)
+        assert_same_bits(again, first, f"run {run + 2}")
+    for counters in triton_impl.TILE_COUNTERS.values():
+        assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_staged_against_float64(layout):
+    """4097 x 5121 x 3079 bf16: k and m or n odd, so TMA can fetch neither operand as it is;
+    the staged path copies both and runs the TMA kernel, within the bound."""
+    m, n, k = 4097, 5121, 3079
+    A, B, C = operands(m, n, k, torch.bfloat16, layout)
+    assert triton_impl.choose_path(A, B, True) == "staged"
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("triton", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    triton_impl.gemm(ALPHA, A, B, BETA, C)
+    assert_within_bound(C, exact, bound, f"triton staged {layout}")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="A of 2**31 elements and more needs a GPU (4.3 GiB)")

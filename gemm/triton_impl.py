@@ -2,39 +2,37 @@
 
     c_ij = alpha * sum_l a_il b_lj + beta * c_ij
 
-Program p owns one BLOCK_M x BLOCK_N tile of C. It walks along k, BLOCK_K at a step, loading a
-BLOCK_M x BLOCK_K tile of A and a BLOCK_K x BLOCK_N tile of B, and `tl.dot` adds their product
-into a float32 accumulator held in registers (on Hopper, wgmma on the tensor cores). After the
-last step the tile is finished in float32, alpha * acc + beta * c, and rounded once as it is
-stored. Masks cover the tiles that hang over the edges of m, n and k: an element past the edge
-loads as 0 and adds nothing, and nothing past the edge of C is stored.
+A program computes one BLOCK_M x BLOCK_N tile of C over a range of k (a *unit*). It walks the
+range BLOCK_K at a step, loading a BLOCK_M x BLOCK_K tile of A and a BLOCK_K x BLOCK_N tile of
+B, and `tl.dot` adds their product into a float32 accumulator in registers (on Hopper, wgmma on
+the tensor cores). The tile is finished in float32, alpha * acc + beta * c, and rounded once as
+it is stored. Whatever lies past the edges of m, n and k loads as 0 and adds nothing, and
+nothing past the edge of C is stored. Tiles are numbered in the grouped order README.md
+explains ("Tiles to programs"), so the tiles running at one time share rows of A and columns of
+B in L2.
 
-Tiles are numbered so that GROUP_M consecutive programs share their tiles of B, the grouped
-order README.md explains ("Tiles to programs"): it makes the tiles running at one time touch
-fewer distinct rows of A and columns of B, so more of their loads hit in L2.
+The range is all of k unless C has fewer tiles than the H200 has SMs (a decode step: m up to
+128 token rows, n / BLOCK_N tiles). Then k is split into SPLITS ranges (`split_count`), each
+program stores its float32 partial tile, and the last program of a tile to arrive (an atomic
+count per tile) adds the SPLITS partials in the fixed order 0, 1, ..., SPLITS - 1 and finishes
+the tile (`finish_unit`; README.md, "Split k"). Which program arrives last changes nothing.
 
-Two kernels share that tile loop and its finish, `finish_tile`:
+gemm_kernel      one program per unit, A and B loaded through pointers with masks: any strides.
+gemm_tma_kernel  persistent: each program walks units p, p + programs, ...; A and B tiles come
+                 through TMA tensor descriptors (the copy engine fetches a whole tile into
+                 shared memory and fills what lies past the edges with zeros: no masks). An
+                 operand that is the transpose of a contiguous matrix is described as that
+                 matrix and its tile transposed in shared memory (`load_tile`), which wgmma
+                 reads either way, so NN, NT, TN and TT all take it.
 
-gemm_kernel      one program per tile, A and B loaded through pointers with masks: any strides.
-gemm_tma_kernel  persistent: one program per SM walks the tiles p, p + programs, ... in the
-                 grouped order, and A and B tiles come through TMA tensor descriptors (the
-                 copy engine fetches a whole tile into shared memory and fills what lies past
-                 the edge with zeros, so the loop has no masks and no address arithmetic).
-                 With `flatten=True` Triton software-pipelines across tile boundaries, so the
-                 next tile's loads are in flight while this tile is finished. TMA needs rows
-                 of stride 1 and a row stride and address 16-byte aligned (`tma_ready`).
-                 Work for the tensor cores takes this path when both A and B qualify;
-                 everything else takes the pointer kernel. A transposed operand could be
-                 described as the contiguous matrix it is the transpose of and its tile
-                 transposed in shared memory, but that kernel, right under the interpreter,
-                 failed to compile for the H200 with Triton 3.6 (not yet understood), so
-                 transposed operands take the pointer kernel for now.
-
-No program needs another's result, so there are no atomics and every addition is fixed by the
-shape and the configuration: the same inputs give the same bits on every run.
+`choose_path` sends tensor-core work to the TMA kernel when TMA can fetch both operands, through
+an aligned copy of the operand(s) it cannot fetch when the copy is cheap against the product
+("staged"), and everything else to the pointer kernel. No addition depends on timing: the same
+inputs give the same bits on every run.
 """
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -68,6 +66,27 @@ LARGE_TF32 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 # IEEE float32 has no tensor-core path: tl.dot becomes FMAs on the CUDA cores.
 LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# A C of at most ONE_ROW rows (a decode step's tokens) is one row of tiles BLOCK_M = the next
+# power of two >= m rows tall (16 at least: tl.dot's smallest), so each element of B, the
+# weight, is loaded once: the call is bound by B's 2nk bytes, not by flops. 128 wide, 4 stages
+# of W tiles (16 KiB each in 16-bit) in flight per program; 8 warps only for 128 rows, where
+# the float32 accumulator needs two warpgroups.
+ONE_ROW = 128
+ROW_TILES = {
+    block_m: {"BLOCK_M": block_m, "BLOCK_N": 128, "num_warps": 8 if block_m == 128 else 4,
+              "num_stages": 4}
+    for block_m in (16, 32, 64, 128)
+}  # fmt: skip
+# Split k only into ranges of at least MIN_SPLIT_STEPS k steps (each fills the pipeline of
+# num_stages), and into at most MAX_SPLITS: the last program of a tile reads that many partial
+# tiles, and a term's sum gains SPLITS - 1 additions.
+MIN_SPLIT_STEPS = 4
+MAX_SPLITS = 8
+# Stage an operand TMA cannot fetch (an aligned copy, then TMA) when each of its elements feeds
+# at least STAGE_MIN_REUSE products: the copy reads and writes 2 s bytes an element at about
+# 3.5 TB/s, the product does 2 * reuse flops with it at about 650 TFLOP/s, so for 16-bit data
+# the copy costs at most a third of the product it feeds (186 s / reuse).
+STAGE_MIN_REUSE = 1024
 
 
 def on_tensor_cores(dtype, allow_tf32):
@@ -81,19 +100,20 @@ def ceil_div(a, b):
 
 
 def tiers_of(dtype, allow_tf32):
-    """(the tiers to try, largest first, and the fallback) for `dtype`, each with its BLOCK_K:
-    128 bytes of each row of an A tile, 32 float32 or 64 16-bit values (one cache line, and the
-    k extent of a few wgmma instructions). float32 with TF32 runs on the tensor cores and takes
-    their shape."""
+    """(the tiers to try, largest first; the fallback; the one-row tiles by height) for
+    `dtype`, each with its BLOCK_K: 128 bytes of each row of an A tile, 32 float32 or 64 16-bit
+    values (one cache line, and the k extent of a few wgmma instructions). float32 with TF32
+    runs on the tensor cores and takes their shape."""
     block_k = {"BLOCK_K": 128 // dtype.itemsize}
     if dtype != torch.float32:
         tiers = [LARGE_TENSOR_CORE, MEDIUM_TENSOR_CORE]
     else:
         tiers = [LARGE_TF32 if allow_tf32 else LARGE_IEEE_FLOAT32]
-    return [{**tile, **block_k} for tile in tiers], {**SMALL, **block_k}
+    rows = {block_m: {**tile, **block_k} for block_m, tile in ROW_TILES.items()}
+    return [{**tile, **block_k} for tile in tiers], {**SMALL, **block_k}, rows
 
 
-# Built once: configuration() only compares tile counts. The dicts are shared; nobody edits them.
+# Built once: configuration() only compares tile counts.
 TIERS = {
     (dtype, allow_tf32): tiers_of(dtype, allow_tf32)
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -101,14 +121,52 @@ TIERS = {
 }
 
 
-def configuration(m, n, dtype, allow_tf32=False):
-    """The kernel's constants for an m x n C of `dtype`: the first tier of which C has at least
-    one tile per SM, else the small one (`tiers_of` says which, and BLOCK_K)."""
-    tiers, small = TIERS[dtype, bool(allow_tf32)]
-    for tile in tiers:
-        if ceil_div(m, tile["BLOCK_M"]) * ceil_div(n, tile["BLOCK_N"]) >= SM_COUNT:
-            return tile
-    return small
+def split_count(tiles, k_steps):
+    """Into how many ranges to split k: 1 when C has a tile for every SM. Else the count s that
+    spreads the tiles * s units most evenly over the SMs, i.e. that minimises the time of the
+    busiest SM, ceil(tiles * s / SM_COUNT) / s units of unsplit work, the fewest splits among
+    equals (fewer partials to write and add), each split MIN_SPLIT_STEPS k steps or more."""
+    most = min(MAX_SPLITS, k_steps // MIN_SPLIT_STEPS)
+    if tiles >= SM_COUNT or most < 2:
+        return 1
+    return min(range(1, most + 1), key=lambda s: (ceil_div(tiles * s, SM_COUNT) / s, s))
+
+
+def tiles_of(m, n, tile):
+    """How many tiles of `tile`'s shape cover an m x n C."""
+    return ceil_div(m, tile["BLOCK_M"]) * ceil_div(n, tile["BLOCK_N"])
+
+
+@functools.lru_cache(maxsize=4096)
+def configuration(m, n, k, dtype, allow_tf32=False):
+    """The launch's constants for an m x n C of `dtype` summed over k (k = 0: nothing read):
+    one row of tiles for m <= ONE_ROW, else the first tier of which C has at least one tile per
+    SM, else the small one (`tiers_of`); SPLITS ranges of k_per_split (a whole number of k
+    steps), none empty; the precision of tl.dot. Cached, so that a call builds no dict: a model
+    calls a few shapes over and over. The dicts are shared; nobody edits them."""
+    tiers, small, rows = TIERS[dtype, bool(allow_tf32)]
+    if m <= ONE_ROW:
+        tile = rows[max(16, 1 << (m - 1).bit_length())]
+    else:
+        tile = next((t for t in tiers if tiles_of(m, n, t) >= SM_COUNT), small)
+    block_k = tile["BLOCK_K"]
+    splits = split_count(tiles_of(m, n, tile), ceil_div(k, block_k))
+    k_per_split = ceil_div(ceil_div(k, splits), block_k) * block_k
+    return {
+        **tile, "SPLITS": ceil_div(k, k_per_split) if k else 1, "k_per_split": k_per_split,
+        # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
+        "INPUT_PRECISION": "tf32" if allow_tf32 and dtype == torch.float32 else "ieee",
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16, "GROUP_M": GROUP_M,
+    }  # fmt: skip
+
+
+def additions(m, n, k, dtype, allow_tf32=False):
+    """For the error bound (README.md, "Split k"): the most float32 additions a product meets
+    on its way into its entry's sum, the serial chain of its range of k, then SPLITS - 1 in the
+    fixed-order sum of the partials. At most k: with SPLITS >= 2 ranges, none empty,
+    k >= (SPLITS - 1) k_per_split + 1 >= k_per_split + SPLITS - 1."""
+    config = configuration(m, n, k, dtype, allow_tf32)
+    return min(k, config["k_per_split"]) + config["SPLITS"] - 1
 
 
 @triton.jit
@@ -127,13 +185,15 @@ def tile_of_program(pid, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
 
 @triton.jit
 def gemm_kernel(
-    a_ptr, b_ptr, c_ptr, m, n, k,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, alpha, beta,
+    a_ptr, b_ptr, c_ptr, partials_ptr, counters_ptr, m, n, k,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, alpha, beta, k_per_split,
     READ_AB: tl.constexpr, READ_C: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    tile_m, tile_n = tile_of_program(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    unit = tl.program_id(0)
+    tile, split = unit // SPLITS, unit % SPLITS
+    tile_m, tile_n = tile_of_program(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
     # 64-bit offsets: m*k, k*n or m*n elements may pass 2**31, and row * stride with it.
     offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,7 +203,9 @@ def gemm_kernel(
     if READ_AB:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn
-        for k_start in range(0, k, BLOCK_K):
+        # k_per_split is whole k steps, so only k's own end needs a mask.
+        k_begin = split * k_per_split
+        for k_start in range(k_begin, min(k, k_begin + k_per_split), BLOCK_K):
             offs_k = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_in = offs_k < k
             a_in, b_in = row_in[:, None] & k_in[None, :], k_in[:, None] & col_in[None, :]
@@ -153,7 +215,40 @@ def gemm_kernel(
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
         acc = alpha * acc
-    finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+    finish_unit(
+        acc, tile, split, partials_ptr, counters_ptr, c_ptr, offs_m, offs_n, m, n,
+        stride_cm, stride_cn, beta, READ_C, BLOCK_M, BLOCK_N, SPLITS,
+    )  # fmt: skip
+
+
+@triton.jit
+def finish_unit(
+    acc, tile, split, partials_ptr, counters_ptr, c_ptr, offs_m, offs_n, m, n,
+    stride_cm, stride_cn, beta, READ_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Finish the tile from acc, alpha times the sum over this unit's range of k. With one range
+    that is the whole sum. With SPLITS ranges, acc goes to this unit's slot among the tile's SPLITS
+    float32 partial tiles, and the program that brings the tile's count to SPLITS adds them in
+    the order 0, 1, ..., SPLITS - 1 (whichever program that is, the same additions), finishes
+    the tile and sets the count back to 0 for the next launch."""
+    if SPLITS == 1:
+        finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+    else:
+        in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_partials = partials_ptr + tile * (SPLITS * BLOCK_M * BLOCK_N) + in_tile
+        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc)
+        # One thread performs the atomic: the barrier orders every thread's stores before it, and
+        # its release (acq_rel, GPU scope) publishes them to the program that acquires after it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            # .cg: read the partials from L2, where the other SMs' stores are.
+            total = tl.load(tile_partials, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            finish_tile(total, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+            tl.store(counters_ptr + tile, 0)
 
 
 @triton.jit
@@ -168,50 +263,131 @@ def finish_tile(acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, RE
 
 
 @triton.jit
+def load_tile(desc, row, col, TRANSPOSED: tl.constexpr):
+    """The tile at (row, col) of an operand given by its TMA descriptor. A transposed operand is
+    described as the contiguous matrix it is the transpose of, so its tile is fetched at
+    (col, row) and transposed in shared memory. One return statement: after an `if` whose
+    branch returns, Triton 3.6 still compiles the code that follows, which Python (and so the
+    interpreter) skips, and two returns of transposed shapes failed to compile."""
+    if TRANSPOSED:
+        tile = desc.load([col, row]).T
+    else:
+        tile = desc.load([row, col])
+    return tile
+
+
+@triton.jit
 def gemm_tma_kernel(
-    a_desc, b_desc, c_ptr, m, n, k, stride_cm, stride_cn, alpha, beta,
+    a_desc, b_desc, c_ptr, partials_ptr, counters_ptr, m, n, k, stride_cm, stride_cn,
+    alpha, beta, k_per_split, A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     READ_C: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PROGRAMS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
-    tiles = tl.cdiv(m, BLOCK_M) * tl.cdiv(n, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+    units = tl.cdiv(m, BLOCK_M) * tl.cdiv(n, BLOCK_N) * SPLITS
+    # flatten=True: Triton pipelines across units, so the next unit's loads are in flight
+    # while this one is finished.
+    for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=True):
+        tile, split = unit // SPLITS, unit % SPLITS
         tile_m, tile_n = tile_of_program(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_start in range(0, k, BLOCK_K):
-            a = a_desc.load([tile_m * BLOCK_M, k_start])
-            b = b_desc.load([k_start, tile_n * BLOCK_N])
+        k_begin = split * k_per_split
+        for k_start in range(k_begin, min(k, k_begin + k_per_split), BLOCK_K):
+            a = load_tile(a_desc, tile_m * BLOCK_M, k_start, A_TRANSPOSED)
+            b = load_tile(b_desc, k_start, tile_n * BLOCK_N, B_TRANSPOSED)
             if UPCAST:  # the interpreter's dot is wrong on bfloat16 values; widening is exact
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
         offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        finish_tile(alpha * acc, c_ptr, offs_m, offs_n, m, n, stride_cm, stride_cn, beta, READ_C)
+        finish_unit(
+            alpha * acc, tile, split, partials_ptr, counters_ptr, c_ptr, offs_m, offs_n, m, n,
+            stride_cm, stride_cn, beta, READ_C, BLOCK_M, BLOCK_N, SPLITS,
+        )  # fmt: skip
 
 
 def tma_ready(t):
-    """True when TMA can fetch tiles of matrix t: rows of stride 1, the row stride and the
-    address 16-byte aligned."""
+    """True when TMA can fetch tiles of matrix t: t or its transpose has rows of stride 1, and
+    the other stride and the address are 16-byte aligned."""
     row_stride, col_stride = t.stride()
-    return (
-        col_stride == 1
-        and row_stride > 0
-        and row_stride * t.itemsize % 16 == 0
-        and t.data_ptr() % 16 == 0
-    )
+    if t.data_ptr() % 16:
+        return False
+    if col_stride == 1:
+        return row_stride > 0 and row_stride * t.itemsize % 16 == 0
+    return row_stride == 1 and col_stride > 0 and col_stride * t.itemsize % 16 == 0
 
 
-def tma_descriptor(t, block_shape):
-    """TensorDescriptor.from_tensor(t, block_shape) without its checks, which tma_ready and the
-    configurations already guarantee (16-byte aligned base and row stride, rows of stride 1,
-    dimensions above 0, power-of-two blocks): 0.4 us where from_tensor takes 2.1 (this
-    machine). The descriptor holds the tensor itself, so it is not kept between calls (that
-    would keep the tensor's memory alive), and Triton 3.6's launcher encodes the CUtensorMap
-    from it on every launch: host descriptors leave no way to keep one."""
+def tma_operand(t, block_rows, block_cols):
+    """(the TMA descriptor of t's block_rows x block_cols tiles, whether t is transposed) for a
+    tma_ready t. A transposed t (columns of stride 1) is described as t.T, the contiguous matrix
+    it is the transpose of, with the block shape swapped; the kernel transposes each tile back.
+    TensorDescriptor.from_tensor's checks are skipped (tma_ready and the configurations already
+    guarantee them): 0.4 us where from_tensor takes 2.1. The descriptor holds the tensor itself,
+    so it is not kept between calls (that would keep the tensor's memory alive), and Triton
+    3.6's launcher encodes the CUtensorMap from it on every launch."""
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = t, t.shape, t.stride()
-    desc.block_shape, desc.padding = block_shape, "zero"
-    return desc
+    desc.base, desc.padding = t, "zero"
+    if t.stride(1) == 1:
+        desc.shape, desc.strides, desc.block_shape = t.shape, t.stride(), [block_rows, block_cols]
+        return desc, False
+    desc.shape, desc.strides = t.shape[::-1], t.stride()[::-1]
+    desc.block_shape = [block_cols, block_rows]
+    return desc, True
+
+
+def aligned_copy(t):
+    """t's values in a new matrix that TMA can fetch, in t's own order (row- or column-major, so
+    the copy reads t along its contiguous dimension), the leading dimension rounded up to 16
+    bytes: torch.empty((rows, padded))[:, :cols]. The padding is never read as data: the
+    descriptor keeps t's true shape and TMA fills past it with zeros."""
+    row_major = t.stride(0) >= t.stride(1)
+    source = t if row_major else t.T
+    rows, cols = source.shape
+    per_16_bytes = 16 // t.itemsize
+    padded = torch.empty(
+        (rows, ceil_div(cols, per_16_bytes) * per_16_bytes), dtype=t.dtype, device=t.device
+    )
+    copy = padded[:, :cols].copy_(source)
+    return copy if row_major else copy.T
+
+
+def choose_path(A, B, tensor_cores):
+    """Which kernel takes the call: "tma" when the work is for the tensor cores and TMA can
+    fetch A and B as they are; "staged" when it can fetch each one that it cannot after an
+    aligned copy worth its cost (the operand's elements each feed STAGE_MIN_REUSE products or
+    more: n for A, m for B); else "pointer". The copy costs 2 s bytes of traffic per element:
+    at 4097 x 5121 x 3079 bf16 NN, A and B are 56.7 MB, 113 MB moved, about 30 us at 3.5 TB/s
+    against about 200 us for the product on the tensor cores."""
+    if not tensor_cores:
+        return "pointer"
+    a_ready, b_ready = tma_ready(A), tma_ready(B)
+    if a_ready and b_ready:
+        return "tma"
+    (m, _), n = A.shape, B.shape[1]
+    if (a_ready or n >= STAGE_MIN_REUSE) and (b_ready or m >= STAGE_MIN_REUSE):
+        return "staged"
+    return "pointer"
+
+
+# (device index, stream) -> int32 zeros, a count per tile for split launches on that stream.
+TILE_COUNTERS = {}
+
+
+def tile_counters(device, tiles):
+    """At least `tiles` int32 zeros for a split launch's counts, which the launch leaves zeroed
+    (the last program of each tile sets its count back to 0). Launches on one stream run one
+    after another, so one buffer per device and stream serves them all, and launches on other
+    streams cannot disturb it. While a CUDA graph is captured, the call gets its own zeroed
+    buffer from the graph's pool, the zeroing captured with it (a cached buffer created then
+    would only be zeroed on replay); the interpreter gets its own too."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (device.index, triton.runtime.driver.active.get_current_stream(device.index))
+    counters = TILE_COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, SM_COUNT), dtype=torch.int32, device=device)
+        TILE_COUNTERS[key] = counters
+    return counters
 
 
 # Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
@@ -273,28 +449,34 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     if m == 0 or n == 0:
         return C
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
-    # TF32 applies to float32 inputs only; 16-bit inputs go to the tensor cores as they are.
     tf32 = A.dtype == torch.float32 and bool(allow_tf32)
-    config = configuration(m, n, A.dtype, tf32)
-    read_ab = alpha32 != 0.0 and k > 0
-    common = {
-        "READ_C": beta32 != 0.0, "INPUT_PRECISION": "tf32" if tf32 else "ieee",
-        "UPCAST": INTERPRETED and A.dtype == torch.bfloat16, "GROUP_M": GROUP_M, **config,
-    }  # fmt: skip
+    read_ab, read_c = alpha32 != 0.0 and k > 0, beta32 != 0.0
+    config = configuration(m, n, k if read_ab else 0, A.dtype, tf32)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    tiles = ceil_div(m, block_m) * ceil_div(n, block_n)
+    units = ceil_div(m, block_m) * ceil_div(n, block_n) * config["SPLITS"]
+    path = choose_path(A, B, read_ab and on_tensor_cores(A.dtype, tf32))
     with device:
-        if on_tensor_cores(A.dtype, allow_tf32) and read_ab and tma_ready(A) and tma_ready(B):
-            a_desc = tma_descriptor(A, [block_m, block_k])
-            b_desc = tma_descriptor(B, [block_k, block_n])
-            programs = min(tiles, SM_COUNT)
-            gemm_tma_kernel[(programs,)](
-                a_desc, b_desc, C, m, n, k, C.stride(0), C.stride(1), alpha32, beta32,
-                PROGRAMS=programs, **common,
+        partials = counters = None  # one range of k: the kernels touch neither
+        if config["SPLITS"] > 1:
+            partials = torch.empty(units * block_m * block_n, dtype=torch.float32, device=C.device)
+            counters = tile_counters(C.device, units // config["SPLITS"])
+        if path == "pointer":
+            gemm_kernel[(units,)](
+                A, B, C, partials, counters, m, n, k, A.stride(0), A.stride(1), B.stride(0),
+                B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab,
+                READ_C=read_c, **config,
             )  # fmt: skip
-        else:
-            gemm_kernel[(tiles,)](
-                A, B, C, m, n, k, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-                C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab, **common,
-            )  # fmt: skip
+            return C
+        if path == "staged":
+            A, B = (t if tma_ready(t) else aligned_copy(t) for t in (A, B))
+        a_desc, a_transposed = tma_operand(A, block_m, block_k)
+        b_desc, b_transposed = tma_operand(B, block_k, block_n)
+        # One unit a program for a split launch, whose programs run in one or two waves; else
+        # one program per SM, persistent.
+        programs = units if config["SPLITS"] > 1 else min(units, SM_COUNT)
+        gemm_tma_kernel[(programs,)](
+            a_desc, b_desc, C, partials, counters, m, n, k, C.stride(0), C.stride(1), alpha32,
+            beta32, A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, READ_C=read_c,
+            **config,
+        )  # fmt: skip
     return C
