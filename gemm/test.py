@@ -958,7 +958,9 @@ def float64_gemm(alpha, A, B, beta, C, rows=1024):
     blocks = []
     for s in range(0, A.shape[0], rows):
         block = a32 * (A[s : s + rows].double() @ B64)
-        blocks.append((block + b32 * C[s : s + rows].double()).cpu())
+        if b32 != 0.0:  # beta == 0: C is not read (a NaN there does not propagate)
+            block = block + b32 * C[s : s + rows].double()
+        blocks.append(block.cpu())
     return torch.cat(blocks)
 
 
