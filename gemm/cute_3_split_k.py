@@ -199,13 +199,15 @@ def launch_split_k(
 
 def choose_split(A, B, allow_tf32):
     """(a_k_major, b_k_major, tile_n, S) when step 2 would run its Hopper kernel on these
-    operands (`choose_kernel`) and `split_plan` splits k; else None (step 2 runs the call)."""
-    choice = choose_kernel(A, B, allow_tf32)
-    if choice[0] != "hopper":
-        return None
+    operands (`choose_kernel`) and `split_plan` splits k; else None (step 2 runs the call).
+    The cached plan, read from the shapes alone, comes first: a call it does not split reaches
+    step 2 without choose_kernel run twice."""
     (m, k), n = A.shape, B.shape[1]
     plan = split_plan(m, n, k, A.itemsize)
-    return None if plan is None else (*choice[1:], *plan)
+    if plan is None:
+        return None
+    choice = choose_kernel(A, B, allow_tf32)
+    return (*choice[1:], *plan) if choice[0] == "hopper" else None
 
 
 def build_split_k(dtype, a_k_major, b_k_major, tile_n, read_c, options=""):
