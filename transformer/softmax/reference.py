@@ -93,13 +93,14 @@ def _check_operands(inputs, outputs):
 
 
 def check_forward(x, y):
-    """Raise TypeError/ValueError, naming the operand, for anything softmax_forward refuses."""
-    _check_operands((("x", x),), (("y", y),))
+    """Raise TypeError/ValueError, naming the operand, for anything softmax_forward refuses
+    (y None: the inputs only)."""
+    _check_operands((("x", x),), () if y is None else (("y", y),))
 
 
 def check_backward(y, dy, dx):
-    """Raise TypeError/ValueError, naming the operand, for anything softmax_backward refuses."""
-    _check_operands((("y", y), ("dy", dy)), (("dx", dx),))
+    """The same for softmax_backward (dx None: the inputs only)."""
+    _check_operands((("y", y), ("dy", dy)), () if dx is None else (("dx", dx),))
 
 
 def as_rows(t, for_output=False):
@@ -140,7 +141,7 @@ def softmax_backward_row(y_row, dy_row):
 def softmax_forward(x, y=None):
     """The exact softmax of every row of x, a new float64 tensor of x's shape (y, if given, is
     only checked: the reference never writes)."""
-    check_forward(x, x if y is None else y)
+    check_forward(x, y)
     rows = x.detach().cpu().reshape(-1, x.shape[-1]).tolist() if x.numel() else []
     result = [softmax_row(row) for row in rows]
     return torch.tensor(result, dtype=torch.float64).reshape(x.shape)
@@ -148,7 +149,7 @@ def softmax_forward(x, y=None):
 
 def softmax_backward(y, dy, dx=None):
     """dx for the stored forward output y and the incoming gradient dy, a new float64 tensor."""
-    check_backward(y, dy, dy if dx is None else dx)
+    check_backward(y, dy, dx)
     n = y.shape[-1]
     y_rows = y.detach().cpu().reshape(-1, n).tolist() if y.numel() else []
     dy_rows = dy.detach().cpu().reshape(-1, n).tolist() if y.numel() else []

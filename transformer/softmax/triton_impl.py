@@ -4,7 +4,7 @@
 
 Two shapes of kernel, picked by the row length N (README.md, "Triton"):
 
-* rows of at most ROW_BLOCK_MAX elements live in registers: `softmax_forward_rows_kernel` loads
+* rows of at most ROW_BLOCK_MAX elements (BACKWARD_ROW_BLOCK_MAX in the backward) live in registers: `softmax_forward_rows_kernel` loads
   a block of ROWS rows once, takes each row's max, exp, sum, and writes y (2MN elements of
   traffic, the minimum); `softmax_backward_rows_kernel` loads y and dy once, sums dy*y per row
   and writes dx (3MN).
@@ -204,19 +204,19 @@ def on_device_of(t):
     raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}")
 
 
-def rows_launch(m, n):
+def rows_launch(m, n, block_max):
     """(grid, rows per program, BLOCK_N, num_warps) of the rows kernels, None past
-    ROW_BLOCK_MAX: BLOCK_N is n's next power of two, ROWS packs short rows (never more than m)
+    block_max: BLOCK_N is n's next power of two, ROWS packs short rows (never more than m)
     so a program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
     block_n = 1 << (n - 1).bit_length()
-    if block_n > ROW_BLOCK_MAX:
+    if block_n > block_max:
         return None
     rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
     num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
     return ((m + rows - 1) // rows,), rows, block_n, num_warps
 
 
-def forward_path(n):
+def forward_path(n, dtype):
     """What README.md's bound counts on a term's way into the row sum: (exp2 evaluations,
     float32 roundings after the exp). Rows kernel: one exp, then log2(BLOCK_N) tree levels.
     Looped: its own exp, a rescale per later chunk and one at the lane combine; per later
@@ -228,11 +228,11 @@ def forward_path(n):
     return chunks + 1, 2 * (chunks - 1) + 1 + CHUNK.bit_length() - 1
 
 
-def backward_path(n):
+def backward_path(n, dtype):
     """Additions on a product dy_j*y_j's way into the row's dot (the product's own rounding is
     counted by the bound): log2(BLOCK_N) tree levels, or one per later chunk plus log2(CHUNK)."""
     block_n = 1 << (n - 1).bit_length()
-    if block_n <= ROW_BLOCK_MAX:
+    if block_n <= BACKWARD_ROW_BLOCK_MAX:
         return block_n.bit_length() - 1
     return -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
 
@@ -244,7 +244,7 @@ def softmax_forward(x, y):
         return y
     (x_rows, _), (y_rows, copied) = as_rows(x), as_rows(y, for_output=True)
     (m, n), layout = x_rows.shape, (*x_rows.stride(), *y_rows.stride())
-    launch = rows_launch(m, n)
+    launch = rows_launch(m, n, ROW_BLOCK_MAX)
     with device:
         if launch is not None:
             grid, rows, block_n, num_warps = launch
@@ -270,7 +270,7 @@ def softmax_backward(y, dy, dx):
     (y_rows, _), (dy_rows, _) = as_rows(y), as_rows(dy)
     dx_rows, copied = as_rows(dx, for_output=True)
     (m, n), layout = y_rows.shape, (*y_rows.stride(), *dy_rows.stride(), *dx_rows.stride())
-    launch = rows_launch(m, n)
+    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
     with device:
         if launch is not None:
             grid, rows, block_n, num_warps = launch

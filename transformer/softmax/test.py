@@ -1,0 +1,577 @@
+"""Tests for softmax: every implementation, forward and backward, lands within README.md's bound.
+
+Run with `python test.py` (or `nox -s softmax` from the top). Without a GPU, torch runs on the
+CPU, Triton under its interpreter, and the CuTe kernels are compiled for sm_90a and their PTX
+read; launching them needs the GPU, and those tests say so when they skip.
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # CuTe builds for the H200 without one
+
+import reference
+import torch_impl
+import triton_impl
+
+try:
+    from common.tolerance import (
+        APPROX_RELATIVE_ERROR,
+        assert_same_bits,
+        assert_within_bound,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not "
+        f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
+    ) from error
+
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
+# (1) Set-up and the bound model ----------------------------------------------------------------
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["torch", "triton", "cute"]
+# (M, N): no rows, empty rows, 1, primes, 2**k +- 1 and the edges of a CuTe tile (2048 float32,
+# 4096 16-bit elements).
+SHAPES = [(0, 5), (3, 0), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097),
+          (3, 2048), (2, 8191)]  # fmt: skip
+U32 = unit_roundoff(torch.float32)
+TINY32 = torch.finfo(torch.float32).tiny  # ex2.approx.ftz flushes results below it to 0
+EX2 = APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
+LOG2E = 1 / math.log(2)
+
+
+def module(name):
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    return {"reference": reference, "torch": torch_impl, "triton": triton_impl, "cute": cute_impl}[
+        name
+    ]
+
+
+def implementation(name):
+    """The implementation's module, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return module(name)
+
+
+def forward_path(impl, n, dtype):
+    """(exp evaluations, float32 roundings after the exp) on a term's way into the row sum.
+    torch sums in an undocumented order, possibly rescaling online: what holds for any order
+    is an exp per element seen and two roundings per addition, (n + 1, 2n)."""
+    if impl == "torch":
+        return n + 1, 2 * n
+    return module(impl).forward_path(n, dtype)
+
+
+def backward_additions(impl, n, dtype):
+    return n if impl == "torch" else module(impl).backward_path(n, dtype)
+
+
+def forward_bound(impl, x, exact):
+    """README.md's forward bound, elementwise, from the exact y (float64 rows):
+
+        t_i = |x_i - max| log2 e,  a_i = 2**(gamma_3 t_i)   (the exp argument's roundings)
+        rho_i = a_i (1 + EX2)**E (1 + u)**K - 1             (term i's error in the row sum)
+        beta = sum_j y_j rho_j + n (E + K) tiny              (the row sum's relative error)
+        |y_hat_i - y_i| <= y_i (a_i (1 + EX2)(1 + u)**2 / (1 - beta) - 1) + 4 tiny
+    then the store's rounding u_s |y| + (1 + u_s)(...) + underflow(dtype)."""
+    n, dtype = x.shape[-1], x.dtype
+    if x.numel() == 0:
+        return torch.zeros(exact.shape, dtype=torch.float64)
+    exp_calls, roundings = forward_path(impl, n, dtype)
+    x64, y = as_rows(x), as_rows(exact)
+    shifted = x64 - x64.max(dim=-1, keepdim=True).values
+    t = torch.where(torch.isfinite(shifted), shifted.abs() * LOG2E, torch.zeros_like(shifted))
+    argument = torch.exp2(gamma(3, U32) * t)
+    rho = argument * (1 + EX2) ** exp_calls * (1 + U32) ** roundings - 1
+    beta = (y * rho).nan_to_num().sum(dim=-1, keepdim=True) + n * (exp_calls + roundings) * TINY32
+    relative = argument * (1 + EX2) * (1 + U32) ** 2 / (1 - beta) - 1
+    bound = y.abs() * relative + 4 * TINY32
+    u_s = store_roundoff(dtype)
+    return (u_s * y.abs() + (1 + u_s) * bound + underflow(dtype)).reshape(exact.shape)
+
+
+def backward_bound(impl, y, dy, exact):
+    """README.md's backward bound: with s = sum_j dy_j y_j, T = sum_j |dy_j y_j| and k the
+    roundings on a product's way into s (one for the float32 product, none for 16-bit data),
+        |s_hat - s| <= gamma_k T + n tiny (1 + gamma_k)
+        |dx_hat_i - dx_i| <= gamma_2 |dx_i| + (1 + gamma_2) |y_i| |s_hat - s| + 2 tiny
+    then the store's rounding."""
+    n, dtype = y.shape[-1], y.dtype
+    if y.numel() == 0:
+        return torch.zeros(exact.shape, dtype=torch.float64)
+    k = backward_additions(impl, n, dtype) + (1 if dtype == torch.float32 else 0)
+    y64, dy64 = as_rows(y), as_rows(dy)
+    total = (y64 * dy64).abs().sum(dim=-1, keepdim=True)
+    dot_error = gamma(k, U32) * total + n * TINY32 * (1 + gamma(k, U32))
+    dx = as_rows(exact)
+    g2 = gamma(2, U32)
+    bound = g2 * dx.abs() + (1 + g2) * y64.abs() * dot_error + 2 * TINY32
+    u_s = store_roundoff(dtype)
+    return (u_s * dx.abs() + (1 + u_s) * bound + underflow(dtype)).reshape(exact.shape)
+
+
+def as_rows(t):
+    """t's rows as a float64 CPU (M, N) matrix (reshape(-1, N) is ambiguous for N = 0)."""
+    return t.detach().cpu().double().reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def random_rows(m, n, dtype, scale=1.0):
+    return (scale * torch.randn(m, n, device=DEVICE)).to(dtype)
+
+
+def check_forward(impl, x, y=None):
+    """Run impl's forward into y (fresh if None) and hold it to the bound; returns y."""
+    y = torch.empty_like(x) if y is None else y
+    exact = reference.softmax_forward(x.cpu())
+    assert implementation(impl).softmax_forward(x, y) is y
+    assert_within_bound(y, exact, forward_bound(impl, x, exact), f"{impl} forward")
+    return y
+
+
+def check_backward(impl, y, dy, dx=None):
+    dx = torch.empty_like(y) if dx is None else dx
+    exact = reference.softmax_backward(y.cpu(), dy.cpu())
+    assert implementation(impl).softmax_backward(y, dy, dx) is dx
+    assert_within_bound(dx, exact, backward_bound(impl, y, dy, exact), f"{impl} backward")
+    return dx
+
+
+def forward_then_backward(impl, x, dy):
+    y = check_forward(impl, x)
+    return y, check_backward(impl, y, dy)
+
+
+# (2) The contract over every implementation ---------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m, n", SHAPES, ids=str)
+def test_matches_reference(impl, dtype, m, n):
+    forward_then_backward(impl, random_rows(m, n, dtype), random_rows(m, n, dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_leading_dims_flatten_to_rows(impl, dtype):
+    """A (2, 3, 5, 33) tensor is 30 rows of 33."""
+    x, dy = random_rows(30, 33, dtype).view(2, 3, 5, 33), random_rows(30, 33, dtype).view(
+        2, 3, 5, 33
+    )
+    forward_then_backward(impl, x, dy)
+
+
+def strided_operands(kind, dtype, m=5, n=1031):
+    """(x, dy) in a layout other than contiguous rows."""
+    if kind == "row slice":  # rows of a wider tensor
+        return (random_rows(m, n + 13, dtype)[:, 3 : 3 + n] for _ in range(2))
+    if kind == "column step":  # every other element of each row
+        return (random_rows(m, 2 * n, dtype)[:, ::2] for _ in range(2))
+    if kind == "transposed":  # a row is a column of the storage
+        return (random_rows(n, m, dtype).t() for _ in range(2))
+    if kind == "unmergeable":  # leading dims whose strides do not merge: the copy path
+        return (random_rows(6 * m, n, dtype).view(3, 2 * m, n)[:, ::2] for _ in range(2))
+    assert kind == "broadcast dy"
+    return random_rows(m, n, dtype), random_rows(1, n, dtype).expand(m, n)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "kind", ["row slice", "column step", "transposed", "unmergeable", "broadcast dy"]
+)
+def test_strided_operands(impl, dtype, kind):
+    forward_then_backward(impl, *strided_operands(kind, dtype))
+
+
+def poisoned_view(m, n, dtype, margin=7):
+    """An (m, n) view inside a NaN-filled buffer, rows 2n + 2 margin apart."""
+    buffer = torch.full((m + 2, 2 * n + 2 * margin), float("nan"), device=DEVICE, dtype=dtype)
+    return buffer, buffer[1 : m + 1, margin : margin + n]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 129, 4099])
+def test_outputs_inside_guard(impl, dtype, n):
+    """y and dx are views into NaN: every element of the view is written (within the bound,
+    so not NaN) and nothing outside it changes."""
+    m = 3
+    x, dy = random_rows(m, n, dtype), random_rows(m, n, dtype)
+    y_buffer, y = poisoned_view(m, n, dtype)
+    dx_buffer, dx = poisoned_view(m, n, dtype)
+    check_forward(impl, x, y)
+    check_backward(impl, y, dy, dx)
+    for buffer, view in ((y_buffer, y), (dx_buffer, dx)):
+        outside = torch.ones_like(buffer, dtype=torch.bool)
+        outside[1 : m + 1, 7 : 7 + n] = False
+        assert buffer[outside].isnan().all(), "an element outside the output was written"
+        assert not view.isnan().any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_in_place(impl):
+    """y may be x itself, and dx may be dy: every row is read before it is written."""
+    x = random_rows(4, 3001, torch.float32)
+    expected_y = reference.softmax_forward(x.cpu())
+    y = implementation(impl).softmax_forward(x, x)
+    assert y is x
+    assert_within_bound(y, expected_y, forward_bound(impl, y, expected_y))
+    dy = random_rows(4, 3001, torch.float32)
+    expected_dx = reference.softmax_backward(y.cpu(), dy.cpu())
+    bound = backward_bound(impl, y, dy, expected_dx)
+    assert implementation(impl).softmax_backward(y, dy, dy) is dy
+    assert_within_bound(dy, expected_dx, bound)
+
+
+def special_rows(dtype, n=300):
+    """Rows of random logits with special values planted, one case per row."""
+    inf, nan = float("inf"), float("nan")
+    x = random_rows(7, n, dtype)
+    x[0, ::3] = -inf  # masked logits
+    x[1, :] = -inf  # a fully masked row: NaN, as in torch
+    x[2, 17] = inf
+    x[3, 200] = nan
+    x[4, :] = (1e4 * torch.randn(n, device=DEVICE)).to(dtype)  # large logits: no overflow
+    x[5, :-1] = -inf  # one live logit: y = 1 there
+    x[6, :] = x[6, 0]  # all equal: y = 1/n
+    return x
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values(impl, dtype):
+    """-inf entries give 0 and leave the row alone; a row of -inf, a +inf or a NaN make the
+    row NaN; 1e4-sized logits do not overflow. The reference defines it, and torch agrees."""
+    x = special_rows(dtype)
+    y = check_forward(impl, x)
+    torch_y = torch.softmax(x.double(), dim=-1).to(dtype)
+    assert torch.equal(y.isnan(), torch_y.isnan())
+    assert y[[0, 4, 5, 6]].isfinite().all() and y[[1, 2, 3]].isnan().all()
+    finite = y[[0, 4, 5, 6]]
+    check_backward(impl, finite, random_rows(*finite.shape, dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeatability(impl, dtype):
+    """Two runs give the same bits: every sum is a fixed tree."""
+    fns = implementation(impl)
+    x, dy = random_rows(3, 5003, dtype), random_rows(3, 5003, dtype)
+    y1, y2 = fns.softmax_forward(x, torch.empty_like(x)), fns.softmax_forward(x, torch.empty_like(x))
+    assert_same_bits(y1, y2)
+    dx1 = fns.softmax_backward(y1, dy, torch.empty_like(x))
+    assert_same_bits(dx1, fns.softmax_backward(y1, dy, torch.empty_like(x)))
+
+
+def bad_inputs():
+    """(operands of forward or backward, expected error, words the message must contain)"""
+    f32 = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    buffer = f32(4, 20)
+    yield "forward", ([[1.0]], f32(1, 1)), TypeError, "x must be a torch.Tensor"
+    yield "forward", (f32(()), f32(())), ValueError, "0-dim"
+    yield "forward", (f32(3, 4), f32(3, 5)), ValueError, "y has shape"
+    yield "forward", (f32(3, 4).double(), f32(3, 4).double()), TypeError, "supported"
+    yield "forward", (f32(3, 4), f32(3, 4).half()), TypeError, "y has dtype"
+    yield "forward", (f32(3, 4), f32(1, 4).expand(3, 4)), ValueError, "one address"
+    yield "forward", (buffer[:, 0:10], buffer[:, 5:15]), ValueError, "partially overlaps"
+    yield "backward", (f32(3, 4), f32(3, 4).bfloat16(), f32(3, 4)), TypeError, "dy has dtype"
+    yield "backward", (f32(3, 4), f32(4, 3), f32(3, 4)), ValueError, "dy has shape"
+    yield "backward", (buffer[:, 0:10], f32(4, 10), buffer[:, 2:12]), ValueError, "dx partially"
+    if ON_GPU:
+        yield "forward", (f32(3, 4), torch.randn(3, 4)), ValueError, "is on cpu"
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
+def test_bad_input_raises_before_launch(impl, case):
+    """Errors come from reference.check_*, the first thing every implementation calls, so the
+    CuTe entry points are checked on the CPU too; the output is untouched."""
+    direction, operands, error, words = case
+    output = operands[-1]
+    before = output.clone() if isinstance(output, torch.Tensor) else None
+    with pytest.raises(error, match=words):
+        getattr(module(impl), f"softmax_{direction}")(*operands)
+    if before is not None:
+        assert_same_bits(output, before, "the output after a rejected call")
+
+
+# Negative controls: the bounds reject plausible bugs. Two logits per row are pinned at 6, so
+# each holds a few percent of the row's mass, far above any dtype's rounding.
+
+
+def pinned_rows(dtype, m=4, n=1024):
+    x = random_rows(m, n, dtype).cpu()
+    x[:, 10], x[:, 500] = 6.0, 6.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_negative_controls(dtype):
+    """A y normalised by the neighbour row's sum, or by a sum that dropped one term, lies
+    outside the bound; the exact answer rounded once lies inside."""
+    x = pinned_rows(dtype)
+    exact = reference.softmax_forward(x)
+    bound = forward_bound("triton", x, exact)
+    x64 = x.double()
+    e = torch.exp(x64 - x64.max(dim=-1, keepdim=True).values)
+    sums = e.sum(dim=-1, keepdim=True)
+    neighbour_sum = e / sums.roll(1, dims=0)
+    dropped_term = e / (sums - e[:, 10:11])
+    for wrong in (neighbour_sum, dropped_term):
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(wrong.to(dtype), exact, bound)
+    assert_within_bound(exact.to(dtype), exact, bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_negative_controls(dtype):
+    """A dx whose dot dropped one (large) term, or took the neighbour row's dot, lies outside."""
+    y = reference.softmax_forward(pinned_rows(dtype)).to(dtype)
+    dy = random_rows(4, 1024, dtype).cpu()
+    dy[:, 10] = 3.0
+    exact = reference.softmax_backward(y, dy)
+    bound = backward_bound("triton", y, dy, exact)
+    y64, dy64 = y.double(), dy.double()
+    dot = (y64 * dy64).sum(dim=-1, keepdim=True)
+    for wrong_dot in (dot - y64[:, 10:11] * dy64[:, 10:11], dot.roll(1, dims=0)):
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound((y64 * (dy64 - wrong_dot)).to(dtype), exact, bound)
+    assert_within_bound(exact.to(dtype), exact, bound)
+
+
+def test_reference_backward_matches_autograd():
+    """The hand-derived backward (README.md) against float64 torch.autograd of torch.softmax:
+    they differ only by the rounding of y to float32 that reference.softmax_backward is given,
+    a change of at most u |y_j| in each y_j, so |d dx_i| <= 4u |y_i| (|dy_i - s| + T)."""
+    x = torch.randn(5, 37, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(5, 37, dtype=torch.float64)
+    torch.softmax(x, dim=-1).backward(dy)
+    y32 = torch.softmax(x.detach(), dim=-1).float()
+    ours = reference.softmax_backward(y32, dy.float())
+    y64, dy64 = y32.double(), dy.float().double()
+    s = (y64 * dy64).sum(dim=-1, keepdim=True)
+    slack = 4 * U32 * y64.abs() * ((dy64 - s).abs() + (y64 * dy64).abs().sum(-1, keepdim=True))
+    assert_within_bound(ours, x.grad, slack + 1e-15)
+
+
+# Autograd, the custom ops and torch.compile
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("entry", ["Softmax.apply", "softmax"])
+def test_autograd_matches_reference_backward(impl, entry):
+    """The autograd.Function and the user-facing softmax (a custom op with its own autograd)
+    give the reference backward of their own y, within the backward bound."""
+    fns = implementation(impl)
+    call = fns.Softmax.apply if entry == "Softmax.apply" else fns.softmax
+    x = random_rows(3, 257, torch.float32).requires_grad_()
+    dy = random_rows(3, 257, torch.float32)
+    y = call(x)
+    y.backward(dy)
+    exact = reference.softmax_backward(y.detach().cpu(), dy.cpu())
+    assert_within_bound(x.grad, exact, backward_bound(impl, y.detach(), dy, exact))
+
+
+class TinyClassifier(torch.nn.Module):
+    """A linear layer whose output goes through the implementation's softmax."""
+
+    def __init__(self, softmax):
+        super().__init__()
+        self.linear, self.softmax = torch.nn.Linear(16, 33), softmax
+
+    def forward(self, x):
+        return self.softmax(self.linear(x))
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+def test_torch_compile_fullgraph(impl):
+    """torch.compile(fullgraph=True) traces a model that calls the custom op, forward and
+    backward, without graph breaks, and computes what the eager model computes. On the CPU
+    the aot_eager backend (no code generation) runs the interpreted Triton kernels."""
+    fns = implementation(impl)
+    torch.manual_seed(0)
+    model = TinyClassifier(fns.softmax).to(DEVICE)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    x = torch.randn(5, 16, device=DEVICE)
+    eager_out = model(x)
+    eager_out.square().sum().backward()
+    eager_grad = model.linear.weight.grad.clone()
+    model.zero_grad()
+    compiled_out = compiled(x)
+    compiled_out.square().sum().backward()
+    assert_same_bits(compiled_out.detach(), eager_out.detach())
+    assert_same_bits(model.linear.weight.grad, eager_grad)
+
+
+# (3) Triton: the looped kernels and the dispatch between the two kernel shapes ---------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [33, 100, 257])
+def test_triton_looped_kernels(dtype, n, monkeypatch):
+    """With the register limits at 32 and chunks of 16 lanes, short rows take the looped
+    kernels (online max and sum over several chunks, the second pass last chunk first): the
+    path the H200 takes past ROW_BLOCK_MAX, at sizes the interpreter runs."""
+    monkeypatch.setattr(triton_impl, "ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "BACKWARD_ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "CHUNK", 16)
+    x = random_rows(3, n, dtype)
+    x[0, :20] = float("-inf")  # a first chunk of -inf only: the online rescale must not NaN
+    x[1, 40:] = float("-inf")
+    forward_then_backward("triton", x, random_rows(3, n, dtype))
+    assert triton_impl.forward_path(n, dtype)[0] == -(-n // 16) + 1
+
+
+def test_triton_dispatch():
+    """Rows up to ROW_BLOCK_MAX go to the rows kernel, several short rows per program."""
+    assert triton_impl.rows_launch(1000, 1, 32768)[1:3] == (1024, 1)
+    assert triton_impl.rows_launch(3, 100, 32768)[1] == 4  # never more rows than m needs
+    assert triton_impl.rows_launch(8, 32768, 32768)[1:] == (1, 32768, 32)
+    assert triton_impl.rows_launch(8, 32769, 32768) is None
+
+
+def test_triton_looped_at_real_size():
+    """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes."""
+    forward_then_backward(
+        "triton", random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
+    )
+
+
+# (4) CuTe builds and PTX ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(direction, dtype):
+    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
+    the any-stride build), the warp shuffles of block_sum, and in the forward the ex2.approx
+    and the correctly rounded reciprocal README.md's bound counts."""
+    vector = cute_impl.ptx_of(direction, dtype, contiguous=True)
+    scalar = cute_impl.ptx_of(direction, dtype, contiguous=False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+    assert "shfl.sync.bfly" in vector
+    if direction == "forward":
+        assert "ex2.approx.ftz.f32" in vector and "rcp.rn.f32" in vector
+        assert "div.approx" not in vector and "rcp.approx" not in vector
+
+
+# (5) GPU only --------------------------------------------------------------------------------
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def float64_softmax(x):
+    """The stand-in for reference.py where Python is too slow: the same formula in float64."""
+    x64 = x.double()
+    e = torch.exp(x64 - x64.max(dim=-1, keepdim=True).values)
+    return (e / e.sum(dim=-1, keepdim=True)).cpu()
+
+
+def float64_softmax_backward(y, dy):
+    y64, dy64 = y.double(), dy.double()
+    return (y64 * (dy64 - (y64 * dy64).sum(dim=-1, keepdim=True))).cpu()
+
+
+def test_stand_ins_match_reference():
+    """The float64 stand-ins agree with reference.py to far below any float32 bound."""
+    x, dy = random_rows(3, 1000, torch.float32), random_rows(3, 1000, torch.float32)
+    exact = reference.softmax_forward(x.cpu())
+    assert (float64_softmax(x) - exact).abs().max() < 1e-15
+    y = exact.float()
+    exact_dx = reference.softmax_backward(y, dy.cpu())
+    assert (float64_softmax_backward(y, dy) - exact_dx).abs().max() < 1e-15
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n", [(64, 8192), (16, 32000), (8, 65537), (3, 131072), (2, 262144)])
+def test_large_rows_against_float64(impl, dtype, m, n):
+    fns = implementation(impl)
+    x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
+    y = fns.softmax_forward(x, torch.empty_like(x))
+    exact = float64_softmax(x)
+    assert_within_bound(y, exact, forward_bound(impl, x, exact), f"{impl} forward")
+    dx = fns.softmax_backward(y, dy, torch.empty_like(y))
+    exact_dx = float64_softmax_backward(y, dy)
+    assert_within_bound(dx, exact_dx, backward_bound(impl, y, dy, exact_dx), f"{impl} backward")
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph, forward and backward replay on fresh data with the bits of an
+    eager call: the launchers work on torch's current stream and do nothing a capture misses."""
+    fns = implementation(impl)
+    x, dy = random_rows(5, 4099, dtype), random_rows(5, 4099, dtype)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    fns.softmax_backward(fns.softmax_forward(x, y), dy, dx)  # compile and load first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fns.softmax_backward(fns.softmax_forward(x, y), dy, dx)
+    x.copy_(random_rows(5, 4099, dtype))
+    dy.copy_(random_rows(5, 4099, dtype))
+    y.fill_(float("nan"))
+    dx.fill_(float("nan"))
+    graph.replay()
+    eager_y = fns.softmax_forward(x, torch.empty_like(x))
+    eager_dx = fns.softmax_backward(eager_y, dy, torch.empty_like(x))
+    torch.cuda.synchronize()
+    assert_same_bits(y, eager_y)
+    assert_same_bits(dx, eager_dx)
+
+
+@gpu_only
+def test_ex2_error_within_common_figure():
+    """The measurement behind common/README.md's ex2.approx.ftz.f32 figure: tl.exp2 (which
+    compiles to it) over 2**24 float32 arguments in [-126, 0], against float64 2**a."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def exp2_kernel(a_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.exp2(tl.load(a_ptr + offs)))
+
+    a = -126 * torch.rand(2**24, device=DEVICE)
+    out = torch.empty_like(a)
+    exp2_kernel[(a.numel() // 1024,)](a, out, BLOCK=1024)
+    exact = torch.exp2(a.double())
+    relative = ((out.double() - exact) / exact).abs().max().item()
+    print(f"ex2.approx.ftz.f32: largest relative error {relative:.3e} = {relative / U32:.2f} u")
+    assert relative <= EX2
+
+
+if __name__ == "__main__":
+    sys.exit(
+        pytest.main(
+            [__file__, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+             *sys.argv[1:]]
+        )  # fmt: skip
+    )
