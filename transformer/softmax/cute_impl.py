@@ -287,9 +287,9 @@ def launch_backward(
     m, n = cutlass.Int32(cute.size(y, mode=[0])), cutlass.Int32(cute.size(y, mode=[1]))
     tile_elems, per_thread = tile_shape(y.element_type.width)
     copies = tiled_copies(y.element_type, vector_elems)
-    softmax_backward_kernel(
-        y, dy, dx, n, copies, copies, copies, tile_elems, per_thread
-    ).launch(grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+    softmax_backward_kernel(y, dy, dx, n, copies, copies, copies, tile_elems, per_thread).launch(
+        grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream
+    )
 
 
 def placeholder(dtype, m, n, vector_elems):

@@ -4,17 +4,17 @@
 
 Two shapes of kernel, picked by the row length N (README.md, "Triton"):
 
-* rows of at most ROW_BLOCK_MAX elements (BACKWARD_ROW_BLOCK_MAX in the backward) live in registers: `softmax_forward_rows_kernel` loads
-  a block of ROWS rows once, takes each row's max, exp, sum, and writes y (2MN elements of
-  traffic, the minimum); `softmax_backward_rows_kernel` loads y and dy once, sums dy*y per row
-  and writes dx (3MN).
+* rows of at most ROW_BLOCK_MAX elements (BACKWARD_ROW_BLOCK_MAX in the backward) live in
+  registers: `softmax_forward_rows_kernel` loads a block of ROWS rows once, takes each row's
+  max, exp and sum, and writes y (2MN elements of traffic, the minimum);
+  `softmax_backward_rows_kernel` loads y and dy once, sums dy*y per row and writes dx (3MN).
 * longer rows (up to 262144 and beyond) do not fit: `softmax_forward_looped_kernel` streams the
   row in chunks of CHUNK lanes keeping an online max and sum per lane, combines the lanes, then
   streams the row again, last chunk first (the chunks read last are the likeliest to still be
   in L2), to write y; `softmax_backward_looped_kernel` likewise sums dy*y, then writes dx.
 
 exp(v) is computed as exp2(v * log2(e)), which the GPU runs as one approximate instruction
-(ex2.approx.f32); its error is in common/README.md and in README.md's bound. Every sum is a
+(ex2.approx.ftz.f32); its error is in common/README.md and in README.md's bound. Every sum is a
 fixed tree (`pairwise_sum`), so the same inputs give the same bits, and README.md counts the
 roundings each term meets (`forward_path`, `backward_path` export the counts).
 """
@@ -201,7 +201,9 @@ def on_device_of(t):
         return torch.cuda.device(t.device)
     if INTERPRETED:
         return contextlib.nullcontext()
-    raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}")
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
 
 
 def rows_launch(m, n, block_max):
@@ -217,7 +219,8 @@ def rows_launch(m, n, block_max):
 
 
 def forward_path(n, dtype):
-    """What README.md's bound counts on a term's way into the row sum: (exp2 evaluations,
+    """(dtype: the same counts for every dtype here; CuTe's tile depends on it.)
+    What README.md's bound counts on a term's way into the row sum: (exp2 evaluations,
     float32 roundings after the exp). Rows kernel: one exp, then log2(BLOCK_N) tree levels.
     Looped: its own exp, a rescale per later chunk and one at the lane combine; per later
     chunk a multiply and an add, the combine's multiply, then log2(CHUNK) levels."""
