@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from reference import as_rows, check_backward, check_forward
+from reference import SoftmaxModule, as_rows, check_backward, check_forward
 
 THREADS_PER_BLOCK = 256
 WARP_SIZE = 32
@@ -392,7 +392,7 @@ def softmax_backward(y, dy, dx):
     return run_on_rows("backward", (y, dy), dx)
 
 
-class Softmax(torch.autograd.Function):
+class SoftmaxFunction(torch.autograd.Function):
     """softmax as an autograd.Function over the two plain functions (the eager path)."""
 
     @staticmethod
@@ -443,3 +443,9 @@ forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
 def softmax(x):
     """softmax over x's last dimension: differentiable, and traceable by torch.compile."""
     return forward_op(x)
+
+
+class Softmax(SoftmaxModule):
+    """Drop-in for torch.nn.Softmax(dim), on this file's softmax."""
+
+    last_dim_softmax = staticmethod(softmax)

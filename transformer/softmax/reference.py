@@ -16,7 +16,8 @@ torch.softmax returns too:
   * a NaN anywhere enters the sum: the whole row is NaN.
 
 This file is the contract: `check_forward` and `check_backward` say which operands are valid
-(every implementation calls them before launching anything), `softmax_forward` and
+(every implementation calls them before launching anything), `SoftmaxModule` is the
+torch.nn.Softmax interface every implementation's `Softmax` drop-in shares, `softmax_forward` and
 `softmax_backward` what the answer is, in plain Python over Python floats: float16, bfloat16
 and float32 values widen exactly to float64, a product of two of them is exact there, and
 `math.fsum` rounds each sum once. exp is float64's (an error of about 2**-52, far below the
@@ -115,6 +116,29 @@ def as_rows(t, for_output=False):
         if for_output:
             return torch.empty(t.numel() // n, n, dtype=t.dtype, device=t.device), True
         return t.reshape(-1, n), True
+
+
+class SoftmaxModule(torch.nn.Module):
+    """torch.nn.Softmax(dim)'s interface over an implementation's softmax of the last dimension,
+    `last_dim_softmax` (each implementation file's `Softmax` sets it). Another dim is moved last
+    and back, so the output has torch's layout. No parameters: the state_dict is empty, as
+    torch's is. dim must be given: torch's implicit choice for dim=None is deprecated."""
+
+    last_dim_softmax = None
+
+    def __init__(self, dim):
+        super().__init__()
+        if not isinstance(dim, int):
+            raise TypeError(f"dim must be an int (the dimension to normalise over), got {dim!r}")
+        self.dim = dim
+
+    def forward(self, x):
+        if self.dim in (-1, x.dim() - 1):
+            return self.last_dim_softmax(x)
+        return self.last_dim_softmax(x.movedim(self.dim, -1)).movedim(-1, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
 
 
 def exact_sum(terms):

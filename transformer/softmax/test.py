@@ -382,18 +382,112 @@ def test_reference_backward_matches_autograd():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("entry", ["Softmax.apply", "softmax"])
+@pytest.mark.parametrize("entry", ["SoftmaxFunction.apply", "softmax", "Softmax(dim=-1)"])
 def test_autograd_matches_reference_backward(impl, entry):
-    """The autograd.Function and the user-facing softmax (a custom op with its own autograd)
-    give the reference backward of their own y, within the backward bound."""
+    """The autograd.Function, the user-facing softmax (a custom op with its own autograd) and
+    the nn.Module give the reference backward of their own y, within the backward bound."""
     fns = implementation(impl)
-    call = fns.Softmax.apply if entry == "Softmax.apply" else fns.softmax
+    call = {
+        "SoftmaxFunction.apply": fns.SoftmaxFunction.apply,
+        "softmax": fns.softmax,
+        "Softmax(dim=-1)": fns.Softmax(dim=-1),
+    }[entry]
     x = random_rows(3, 257, torch.float32).requires_grad_()
     dy = random_rows(3, 257, torch.float32)
     y = call(x)
     y.backward(dy)
     exact = reference.softmax_backward(y.detach().cpu(), dy.cpu())
     assert_within_bound(x.grad, exact, backward_bound(impl, y.detach(), dy, exact))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_module_is_a_drop_in_for_torch(impl):
+    """Softmax(dim) has torch.nn.Softmax's repr and empty state_dict; over a middle dim it
+    returns torch's layout and the reference within the bounds, forward and backward."""
+    fns = implementation(impl)
+    ours, theirs = fns.Softmax(dim=1), torch.nn.Softmax(dim=1)
+    assert repr(ours) == repr(theirs) and ours.state_dict() == theirs.state_dict() == {}
+    with pytest.raises(TypeError, match="dim must be an int"):
+        fns.Softmax(dim=None)
+    x = random_rows(6, 40 * 5, torch.float32).view(6, 40, 5).requires_grad_()
+    dy = random_rows(6, 40 * 5, torch.float32).view(6, 40, 5)
+    y = ours(x)
+    assert y.stride() == theirs(x).stride()
+    y.backward(dy)
+    x_rows, y_rows, dy_rows = (t.detach().movedim(1, -1) for t in (x, y, dy))
+    exact_y = reference.softmax_forward(x_rows.cpu())
+    assert_within_bound(y_rows, exact_y, forward_bound(impl, x_rows, exact_y))
+    exact_dx = reference.softmax_backward(y_rows.cpu(), dy_rows.cpu())
+    bound = backward_bound(impl, y_rows, dy_rows, exact_dx)
+    assert_within_bound(x.grad.movedim(1, -1), exact_dx, bound)
+
+
+def with_ones(x):
+    """[x | 1]: the linear layer's input with the column its bias multiplies."""
+    return torch.cat([x, torch.ones(x.shape[0], 1, device=x.device)], dim=1)
+
+
+def dz_error(impl, z, y_hat, c):
+    """The bound on |dz_hat - dz| for dz = y (c - s), s = sum_j c_j y_j (the loss is linear in
+    y, so its gradient c is exact): y_hat's error F (the forward bound) moves dz_i by at most
+    F_i (|c_i| + |s|) + (y_i + F_i) sum_j |c_j| F_j; the backward on y_hat adds its own bound."""
+    y = reference.softmax_forward(z.cpu())
+    f = forward_bound(impl, z, y)
+    c64 = c.cpu().double()
+    s = (y * c64).sum(dim=-1, keepdim=True)
+    through_y = f * (c64.abs() + s.abs()) + (y + f) * (c64.abs() * f).sum(dim=-1, keepdim=True)
+    exact_dz = reference.softmax_backward(y_hat.cpu(), c.cpu())
+    return through_y + backward_bound(impl, y_hat, c, exact_dz)
+
+
+def sgd_step(softmax, impl, state, x, c, lr):
+    """One SGD step of linear -> softmax -> loss sum(c * y) from the linear layer's `state`:
+    the new state, the new [weight | bias], dloss/dz and dz_error's bound on it."""
+    linear = torch.nn.Linear(x.shape[1], c.shape[1], device=DEVICE)
+    linear.load_state_dict(state)
+    z = linear(x)
+    z.retain_grad()
+    y = softmax(z)
+    (y * c).sum().backward()
+    torch.optim.SGD(linear.parameters(), lr=lr).step()
+    new = torch.cat([linear.weight, linear.bias[:, None]], dim=1).detach()
+    error = dz_error(impl, z.detach(), y.detach(), c)
+    return {"state": linear.state_dict(), "new": new, "dz": z.grad, "dz_error": error}
+
+
+def sgd_step_bound(ours, theirs, x, old, lr):
+    """|P_ours - P_torch| after one step from the same P = [weight | bias]: the gradient
+    dz^T [x | 1] is a float32 product over the batch B (gamma_B), so with E each side's
+    dz_error and G = (|dz_ours| + |dz_torch|)^T |[x | 1]|,
+        |g_ours - g_torch| <= (E_ours + E_torch)^T |[x | 1]| + gamma_B G,
+    and the update P - lr g rounds twice on each side: + gamma_2 (2 |P| + lr G)."""
+    x1 = with_ones(x).cpu().double().abs()
+    g = (ours["dz"].cpu().double().abs() + theirs["dz"].cpu().double().abs()).T @ x1
+    gradient = (ours["dz_error"] + theirs["dz_error"]).T @ x1 + gamma(x.shape[0], U32) * g
+    return lr * gradient + gamma(2, U32) * (2 * old.cpu().double().abs() + lr * g)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_module_trains_like_torch(impl):
+    """A linear layer, Softmax(dim=-1) and a loss sum(c * y), four SGD steps: from the same
+    parameters, a step with our Softmax lands on the step with torch.nn.Softmax within
+    sgd_step_bound. Both continue from torch's parameters, so the bound stays one step's (two
+    runs kept apart would carry each step's difference through the next). Negative control: a
+    step whose gradient missed one example of the batch lies outside."""
+    fns = implementation(impl)
+    torch.manual_seed(0)
+    lr, state = 0.5, torch.nn.Linear(16, 33, device=DEVICE).state_dict()
+    for _ in range(4):
+        old = torch.cat([state["weight"], state["bias"][:, None]], dim=1)
+        x, c = random_rows(8, 16, torch.float32), random_rows(8, 33, torch.float32)
+        ours = sgd_step(fns.Softmax(dim=-1), impl, state, x, c, lr)
+        theirs = sgd_step(torch.nn.Softmax(dim=-1), "torch", state, x, c, lr)
+        bound = sgd_step_bound(ours, theirs, x, old, lr)
+        assert_within_bound(ours["new"], theirs["new"], bound, f"{impl} parameters")
+        missing_one = theirs["new"] + lr * theirs["dz"][:1].T @ with_ones(x)[:1]
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(missing_one, theirs["new"], bound)
+        state = theirs["state"]
 
 
 class TinyClassifier(torch.nn.Module):

@@ -5,14 +5,14 @@ softmax kernels, on the CPU its vectorised loops) and rounds once to the input's
 backward is the formula of README.md in float32 torch ops. Both sum in the library's own,
 undocumented order, so README.md bounds them by what holds for every order.
 
-`Softmax` is the autograd.Function over the two, and `softmax(x)` the function a model calls;
-torch's own autograd would do the same, and this file is the baseline the kernels are checked
-and timed against.
+`SoftmaxFunction` is the autograd.Function over the two, `softmax(x)` the function a model
+calls and `Softmax(dim)` the drop-in for torch.nn.Softmax; torch's own autograd would do the
+same, and this file is the baseline the kernels are checked and timed against.
 """
 
 import torch
 
-from reference import as_rows, check_backward, check_forward
+from reference import SoftmaxModule, as_rows, check_backward, check_forward
 
 
 def softmax_forward(x, y):
@@ -31,7 +31,7 @@ def softmax_backward(y, dy, dx):
     return dx
 
 
-class Softmax(torch.autograd.Function):
+class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = softmax_forward(x, torch.empty_like(x))
@@ -46,4 +46,10 @@ class Softmax(torch.autograd.Function):
 
 def softmax(x):
     """softmax over x's last dimension, differentiable."""
-    return Softmax.apply(x)
+    return SoftmaxFunction.apply(x)
+
+
+class Softmax(SoftmaxModule):
+    """Drop-in for torch.nn.Softmax(dim), on this file's softmax."""
+
+    last_dim_softmax = staticmethod(softmax)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference import as_rows, check_backward, check_forward
+from reference import SoftmaxModule, as_rows, check_backward, check_forward
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(v) = exp2(v * log2 e); rounded to float32
 # The longest row held in registers: 32768 elements over 32 warps is 32 float32 values per
@@ -291,7 +291,7 @@ def softmax_backward(y, dy, dx):
     return dx
 
 
-class Softmax(torch.autograd.Function):
+class SoftmaxFunction(torch.autograd.Function):
     """softmax as an autograd.Function over the two plain functions (the eager path)."""
 
     @staticmethod
@@ -343,3 +343,9 @@ forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
 def softmax(x):
     """softmax over x's last dimension: differentiable, and traceable by torch.compile."""
     return forward_op(x)
+
+
+class Softmax(SoftmaxModule):
+    """Drop-in for torch.nn.Softmax(dim), on this file's softmax."""
+
+    last_dim_softmax = staticmethod(softmax)
