@@ -5,6 +5,7 @@ CPU, Triton under its interpreter, and the CuTe kernels are compiled for sm_90a 
 read; launching them needs the GPU, and those tests say so when they skip.
 """
 
+import itertools
 import math
 import os
 import sys
@@ -50,22 +51,28 @@ except ImportError as error:  # no CuTe DSL: its tests skip and say why
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
+MODULES = {"reference": reference, "torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
 # (M, N): no rows, empty rows, 1, primes, 2**k +- 1 and the edges of a CuTe tile (2048 float32,
 # 4096 16-bit elements).
 SHAPES = [(0, 5), (3, 0), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097),
           (3, 2048), (2, 8191)]  # fmt: skip
+REFERENCE_MAX_ELEMS = 2**17  # past this, plain Python is slow: the float64 stand-ins take over
 U32 = unit_roundoff(torch.float32)
 TINY32 = torch.finfo(torch.float32).tiny  # ex2.approx.ftz flushes results below it to 0
 EX2 = APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
 LOG2E = 1 / math.log(2)
+each_impl = pytest.mark.parametrize("impl", IMPLS)
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+each_impl_and_dtype = pytest.mark.parametrize(
+    "impl, dtype", list(itertools.product(IMPLS, DTYPES)), ids=str
+)
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
 def module(name):
     if name == "cute" and cute_impl is None:
         pytest.skip(CUTE_MISSING)
-    return {"reference": reference, "torch": torch_impl, "triton": triton_impl, "cute": cute_impl}[
-        name
-    ]
+    return MODULES[name]
 
 
 def implementation(name):
@@ -73,19 +80,6 @@ def implementation(name):
     if name == "cute" and not ON_GPU:
         pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
     return module(name)
-
-
-def forward_path(impl, n, dtype):
-    """(exp evaluations, float32 roundings after the exp) on a term's way into the row sum.
-    torch sums in an undocumented order, possibly rescaling online: what holds for any order
-    is an exp per element seen and two roundings per addition, (n + 1, 2n)."""
-    if impl == "torch":
-        return n + 1, 2 * n
-    return module(impl).forward_path(n, dtype)
-
-
-def backward_additions(impl, n, dtype):
-    return n if impl == "torch" else module(impl).backward_path(n, dtype)
 
 
 def forward_bound(impl, x, exact):
@@ -99,7 +93,11 @@ def forward_bound(impl, x, exact):
     n, dtype = x.shape[-1], x.dtype
     if x.numel() == 0:
         return torch.zeros(exact.shape, dtype=torch.float64)
-    exp_calls, roundings = forward_path(impl, n, dtype)
+    # E and K each implementation exports; torch sums in an undocumented order, possibly
+    # rescaling online: what holds for any order is an exp per element seen and two roundings
+    # per addition.
+    path = (n + 1, 2 * n) if impl == "torch" else module(impl).forward_path(n, dtype)
+    exp_calls, roundings = path
     x64, y = as_rows(x), as_rows(exact)
     shifted = x64 - x64.max(dim=-1, keepdim=True).values
     t = torch.where(torch.isfinite(shifted), shifted.abs() * LOG2E, torch.zeros_like(shifted))
@@ -121,7 +119,8 @@ def backward_bound(impl, y, dy, exact):
     n, dtype = y.shape[-1], y.dtype
     if y.numel() == 0:
         return torch.zeros(exact.shape, dtype=torch.float64)
-    k = backward_additions(impl, n, dtype) + (1 if dtype == torch.float32 else 0)
+    additions = n if impl == "torch" else module(impl).backward_path(n, dtype)
+    k = additions + (1 if dtype == torch.float32 else 0)
     y64, dy64 = as_rows(y), as_rows(dy)
     total = (y64 * dy64).abs().sum(dim=-1, keepdim=True)
     dot_error = gamma(k, U32) * total + n * TINY32 * (1 + gamma(k, U32))
@@ -141,51 +140,67 @@ def random_rows(m, n, dtype, scale=1.0):
     return (scale * torch.randn(m, n, device=DEVICE)).to(dtype)
 
 
-def check_forward(impl, x, y=None):
-    """Run impl's forward into y (fresh if None) and hold it to the bound; returns y."""
-    y = torch.empty_like(x) if y is None else y
-    exact = reference.softmax_forward(x.cpu())
-    assert implementation(impl).softmax_forward(x, y) is y
-    assert_within_bound(y, exact, forward_bound(impl, x, exact), f"{impl} forward")
-    return y
+def float64_softmax(x):
+    """The stand-in for reference.py where Python is too slow: the same formula in float64."""
+    x64 = x.double()
+    e = torch.exp(x64 - x64.max(dim=-1, keepdim=True).values)
+    return (e / e.sum(dim=-1, keepdim=True)).cpu()
 
 
-def check_backward(impl, y, dy, dx=None):
-    dx = torch.empty_like(y) if dx is None else dx
-    exact = reference.softmax_backward(y.cpu(), dy.cpu())
-    assert implementation(impl).softmax_backward(y, dy, dx) is dx
-    assert_within_bound(dx, exact, backward_bound(impl, y, dy, exact), f"{impl} backward")
-    return dx
+def float64_softmax_backward(y, dy):
+    y64, dy64 = y.double(), dy.double()
+    return (y64 * (dy64 - (y64 * dy64).sum(dim=-1, keepdim=True))).cpu()
+
+
+EXACT = {"forward": (reference.softmax_forward, float64_softmax),
+         "backward": (reference.softmax_backward, float64_softmax_backward)}  # fmt: skip
+BOUND = {"forward": forward_bound, "backward": backward_bound}
+
+
+def check(impl, direction, *inputs, out=None):
+    """Run impl's forward (inputs x) or backward (y, dy) into out (fresh if None) and hold it
+    to the bound; returns out. The exact answer and the bound come first: out may be an input."""
+    out = torch.empty_like(inputs[0]) if out is None else out
+    exact = EXACT[direction][inputs[0].numel() > REFERENCE_MAX_ELEMS](*(t.cpu() for t in inputs))
+    bound = BOUND[direction](impl, *inputs, exact)
+    assert getattr(implementation(impl), f"softmax_{direction}")(*inputs, out) is out
+    assert_within_bound(out, exact, bound, f"{impl} {direction}")
+    return out
 
 
 def forward_then_backward(impl, x, dy):
-    y = check_forward(impl, x)
-    return y, check_backward(impl, y, dy)
+    y = check(impl, "forward", x)
+    return y, check(impl, "backward", y, dy)
+
+
+def run_both(fns, x, dy, y=None, dx=None):
+    """fns' forward, then its backward on that y, into y and dx (fresh if None)."""
+    y = fns.softmax_forward(x, torch.empty_like(x) if y is None else y)
+    return y, fns.softmax_backward(y, dy, torch.empty_like(x) if dx is None else dx)
+
+
+def assert_rejects(wrongs, exact, bound, dtype):
+    """A negative control: each wrong answer, rounded to dtype, lies outside the bound; the
+    exact answer rounded once lies inside."""
+    for wrong in wrongs:
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(wrong.to(dtype), exact, bound)
+    assert_within_bound(exact.to(dtype), exact, bound)
 
 
 # (2) The contract over every implementation ---------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 @pytest.mark.parametrize("m, n", SHAPES, ids=str)
 def test_matches_reference(impl, dtype, m, n):
     forward_then_backward(impl, random_rows(m, n, dtype), random_rows(m, n, dtype))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_leading_dims_flatten_to_rows(impl, dtype):
-    """A (2, 3, 5, 33) tensor is 30 rows of 33."""
-    x, dy = (
-        random_rows(30, 33, dtype).view(2, 3, 5, 33),
-        random_rows(30, 33, dtype).view(2, 3, 5, 33),
-    )
-    forward_then_backward(impl, x, dy)
-
-
-def strided_operands(kind, dtype, m=5, n=1031):
+def operands(kind, dtype, m=5, n=1031):
     """(x, dy) in a layout other than contiguous rows."""
+    if kind == "leading dims":  # a (2, 3, 5, 33) tensor is 30 rows of 33
+        return (random_rows(30, 33, dtype).view(2, 3, 5, 33) for _ in range(2))
     if kind == "row slice":  # rows of a wider tensor
         return (random_rows(m, n + 13, dtype)[:, 3 : 3 + n] for _ in range(2))
     if kind == "column step":  # every other element of each row
@@ -198,53 +213,42 @@ def strided_operands(kind, dtype, m=5, n=1031):
     return random_rows(m, n, dtype), random_rows(1, n, dtype).expand(m, n)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 @pytest.mark.parametrize(
-    "kind", ["row slice", "column step", "transposed", "unmergeable", "broadcast dy"]
+    "kind",
+    ["leading dims", "row slice", "column step", "transposed", "unmergeable", "broadcast dy"],
 )
 def test_strided_operands(impl, dtype, kind):
-    forward_then_backward(impl, *strided_operands(kind, dtype))
+    forward_then_backward(impl, *operands(kind, dtype))
 
 
 def poisoned_view(m, n, dtype, margin=7):
-    """An (m, n) view inside a NaN-filled buffer, rows 2n + 2 margin apart."""
+    """(buffer, view, outside): an (m, n) view inside a NaN-filled buffer, rows 2n + 2 margin
+    apart, and the mask of the buffer's elements outside the view."""
     buffer = torch.full((m + 2, 2 * n + 2 * margin), float("nan"), device=DEVICE, dtype=dtype)
-    return buffer, buffer[1 : m + 1, margin : margin + n]
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[1 : m + 1, margin : margin + n] = False
+    return buffer, buffer[1 : m + 1, margin : margin + n], outside
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 @pytest.mark.parametrize("n", [1, 129, 4099])
 def test_outputs_inside_guard(impl, dtype, n):
     """y and dx are views into NaN: every element of the view is written (within the bound,
     so not NaN) and nothing outside it changes."""
-    m = 3
-    x, dy = random_rows(m, n, dtype), random_rows(m, n, dtype)
-    y_buffer, y = poisoned_view(m, n, dtype)
-    dx_buffer, dx = poisoned_view(m, n, dtype)
-    check_forward(impl, x, y)
-    check_backward(impl, y, dy, dx)
-    for buffer, view in ((y_buffer, y), (dx_buffer, dx)):
-        outside = torch.ones_like(buffer, dtype=torch.bool)
-        outside[1 : m + 1, 7 : 7 + n] = False
-        assert buffer[outside].isnan().all(), "an element outside the output was written"
-        assert not view.isnan().any()
+    x, dy = random_rows(3, n, dtype), random_rows(3, n, dtype)
+    (y_buffer, y, y_outside), (dx_buffer, dx, dx_outside) = (
+        poisoned_view(3, n, dtype) for _ in "yx"
+    )
+    check(impl, "backward", check(impl, "forward", x, out=y), dy, out=dx)
+    assert y_buffer[y_outside].isnan().all() and dx_buffer[dx_outside].isnan().all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@each_impl
 def test_in_place(impl):
     """y may be x itself, and dx may be dy: every row is read before it is written."""
-    x = random_rows(4, 3001, torch.float32)
-    expected_y = reference.softmax_forward(x.cpu())
-    y = implementation(impl).softmax_forward(x, x)
-    assert y is x
-    assert_within_bound(y, expected_y, forward_bound(impl, y, expected_y))
-    dy = random_rows(4, 3001, torch.float32)
-    expected_dx = reference.softmax_backward(y.cpu(), dy.cpu())
-    bound = backward_bound(impl, y, dy, expected_dx)
-    assert implementation(impl).softmax_backward(y, dy, dy) is dy
-    assert_within_bound(dy, expected_dx, bound)
+    x, dy = random_rows(4, 3001, torch.float32), random_rows(4, 3001, torch.float32)
+    assert check(impl, "backward", check(impl, "forward", x, out=x), dy, out=dy) is dy
 
 
 def special_rows(dtype, n=300):
@@ -261,30 +265,25 @@ def special_rows(dtype, n=300):
     return x
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 def test_special_values(impl, dtype):
     """-inf entries give 0 and leave the row alone; a row of -inf, a +inf or a NaN make the
     row NaN; 1e4-sized logits do not overflow. The reference defines it, and torch agrees."""
     x = special_rows(dtype)
-    y = check_forward(impl, x)
+    y = check(impl, "forward", x)
     torch_y = torch.softmax(x.double(), dim=-1).to(dtype)
     assert torch.equal(y.isnan(), torch_y.isnan())
     assert y[[0, 4, 5, 6]].isfinite().all() and y[[1, 2, 3]].isnan().all()
     finite = y[[0, 4, 5, 6]]
-    check_backward(impl, finite, random_rows(*finite.shape, dtype))
+    check(impl, "backward", finite, random_rows(*finite.shape, dtype))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 def test_repeatability(impl, dtype):
     """Two runs give the same bits: every sum is a fixed tree."""
-    fns = implementation(impl)
-    x, dy = random_rows(3, 5003, dtype), random_rows(3, 5003, dtype)
-    y1 = fns.softmax_forward(x, torch.empty_like(x))
-    assert_same_bits(y1, fns.softmax_forward(x, torch.empty_like(x)))
-    dx1 = fns.softmax_backward(y1, dy, torch.empty_like(x))
-    assert_same_bits(dx1, fns.softmax_backward(y1, dy, torch.empty_like(x)))
+    fns, x, dy = implementation(impl), random_rows(3, 5003, dtype), random_rows(3, 5003, dtype)
+    for first, second in zip(run_both(fns, x, dy), run_both(fns, x, dy), strict=True):
+        assert_same_bits(first, second)
 
 
 def bad_inputs():
@@ -319,48 +318,30 @@ def test_bad_input_raises_before_launch(impl, case):
         assert_same_bits(output, before, "the output after a rejected call")
 
 
-# Negative controls: the bounds reject plausible bugs. Two logits per row are pinned at 6, so
-# each holds a few percent of the row's mass, far above any dtype's rounding.
-
-
-def pinned_rows(dtype, m=4, n=1024):
-    x = random_rows(m, n, dtype).cpu()
+@each_dtype
+def test_negative_controls(dtype):
+    """The bounds reject plausible bugs. Two logits per row are pinned at 6, so each holds a
+    few percent of the row's mass, far above any dtype's rounding. Forward: y normalised by
+    the neighbour row's sum, or by a sum that dropped one term; backward: a dx whose dot
+    dropped one (large) term, or took the neighbour row's dot."""
+    x = random_rows(4, 1024, dtype).cpu()
     x[:, 10], x[:, 500] = 6.0, 6.0
-    return x
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_negative_controls(dtype):
-    """A y normalised by the neighbour row's sum, or by a sum that dropped one term, lies
-    outside the bound; the exact answer rounded once lies inside."""
-    x = pinned_rows(dtype)
-    exact = reference.softmax_forward(x)
-    bound = forward_bound("triton", x, exact)
+    exact_y = reference.softmax_forward(x)
     x64 = x.double()
     e = torch.exp(x64 - x64.max(dim=-1, keepdim=True).values)
     sums = e.sum(dim=-1, keepdim=True)
-    neighbour_sum = e / sums.roll(1, dims=0)
-    dropped_term = e / (sums - e[:, 10:11])
-    for wrong in (neighbour_sum, dropped_term):
-        with pytest.raises(AssertionError, match="outside the bound"):
-            assert_within_bound(wrong.to(dtype), exact, bound)
-    assert_within_bound(exact.to(dtype), exact, bound)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_backward_negative_controls(dtype):
-    """A dx whose dot dropped one (large) term, or took the neighbour row's dot, lies outside."""
-    y = reference.softmax_forward(pinned_rows(dtype)).to(dtype)
-    dy = random_rows(4, 1024, dtype).cpu()
+    wrong_ys = [e / sums.roll(1, dims=0), e / (sums - e[:, 10:11])]
+    assert_rejects(wrong_ys, exact_y, forward_bound("triton", x, exact_y), dtype)
+    y, dy = exact_y.to(dtype), random_rows(4, 1024, dtype).cpu()
     dy[:, 10] = 3.0
-    exact = reference.softmax_backward(y, dy)
-    bound = backward_bound("triton", y, dy, exact)
+    exact_dx = reference.softmax_backward(y, dy)
     y64, dy64 = y.double(), dy.double()
     dot = (y64 * dy64).sum(dim=-1, keepdim=True)
-    for wrong_dot in (dot - y64[:, 10:11] * dy64[:, 10:11], dot.roll(1, dims=0)):
-        with pytest.raises(AssertionError, match="outside the bound"):
-            assert_within_bound((y64 * (dy64 - wrong_dot)).to(dtype), exact, bound)
-    assert_within_bound(exact.to(dtype), exact, bound)
+    wrong_dxs = [
+        y64 * (dy64 - wrong)
+        for wrong in (dot - y64[:, 10:11] * dy64[:, 10:11], dot.roll(1, dims=0))
+    ]
+    assert_rejects(wrong_dxs, exact_dx, backward_bound("triton", y, dy, exact_dx), dtype)
 
 
 def test_reference_backward_matches_autograd():
@@ -381,56 +362,43 @@ def test_reference_backward_matches_autograd():
 # Autograd, the custom ops and torch.compile
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("entry", ["SoftmaxFunction.apply", "softmax", "Softmax(dim=-1)"])
-def test_autograd_matches_reference_backward(impl, entry):
+ENTRIES = {
+    "SoftmaxFunction.apply": lambda fns: fns.SoftmaxFunction.apply,
+    "softmax": lambda fns: fns.softmax,
+    "Softmax(dim=-1)": lambda fns: fns.Softmax(dim=-1),
+    "Softmax(dim=0) of x.t()": lambda fns: lambda x: fns.Softmax(dim=0)(x.t()).t(),
+}
+
+
+@each_impl
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_autograd_matches_reference(impl, entry):
     """The autograd.Function, the user-facing softmax (a custom op with its own autograd) and
-    the nn.Module give the reference backward of their own y, within the backward bound."""
-    fns = implementation(impl)
-    call = {
-        "SoftmaxFunction.apply": fns.SoftmaxFunction.apply,
-        "softmax": fns.softmax,
-        "Softmax(dim=-1)": fns.Softmax(dim=-1),
-    }[entry]
-    x = random_rows(3, 257, torch.float32).requires_grad_()
-    dy = random_rows(3, 257, torch.float32)
-    y = call(x)
+    the nn.Module (over the last dim, and over dim 0 of a transpose: moved last and back) give
+    the reference y within the forward bound, and the reference backward of their own y."""
+    x, dy = random_rows(3, 257, torch.float32), random_rows(3, 257, torch.float32)
+    y = ENTRIES[entry](implementation(impl))(x.requires_grad_())
+    exact_y = reference.softmax_forward(x.detach().cpu())
+    assert_within_bound(y, exact_y, forward_bound(impl, x.detach(), exact_y))
     y.backward(dy)
     exact = reference.softmax_backward(y.detach().cpu(), dy.cpu())
     assert_within_bound(x.grad, exact, backward_bound(impl, y.detach(), dy, exact))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@each_impl
 def test_module_is_a_drop_in_for_torch(impl):
-    """Softmax(dim) has torch.nn.Softmax's repr and empty state_dict; over a middle dim it
-    returns torch's layout and the reference within the bounds, forward and backward."""
+    """Softmax(dim) has torch.nn.Softmax's repr, empty state_dict and output layout."""
     fns = implementation(impl)
     ours, theirs = fns.Softmax(dim=1), torch.nn.Softmax(dim=1)
     assert repr(ours) == repr(theirs) and ours.state_dict() == theirs.state_dict() == {}
+    x = random_rows(6, 200, torch.float32).view(6, 40, 5)
+    assert ours(x).stride() == theirs(x).stride()
     with pytest.raises(TypeError, match="dim must be an int"):
         fns.Softmax(dim=None)
-    x = random_rows(6, 40 * 5, torch.float32).view(6, 40, 5).requires_grad_()
-    dy = random_rows(6, 40 * 5, torch.float32).view(6, 40, 5)
-    y = ours(x)
-    assert y.stride() == theirs(x).stride()
-    y.backward(dy)
-    x_rows, y_rows, dy_rows = (t.detach().movedim(1, -1) for t in (x, y, dy))
-    exact_y = reference.softmax_forward(x_rows.cpu())
-    assert_within_bound(y_rows, exact_y, forward_bound(impl, x_rows, exact_y))
-    exact_dx = reference.softmax_backward(y_rows.cpu(), dy_rows.cpu())
-    bound = backward_bound(impl, y_rows, dy_rows, exact_dx)
-    assert_within_bound(x.grad.movedim(1, -1), exact_dx, bound)
-
-
-def with_ones(x):
-    """[x | 1]: the linear layer's input with the column its bias multiplies."""
-    return torch.cat([x, torch.ones(x.shape[0], 1, device=x.device)], dim=1)
 
 
 def dz_error(impl, z, y_hat, c):
-    """The bound on |dz_hat - dz| for dz = y (c - s), s = sum_j c_j y_j (the loss is linear in
-    y, so its gradient c is exact): y_hat's error F (the forward bound) moves dz_i by at most
-    F_i (|c_i| + |s|) + (y_i + F_i) sum_j |c_j| F_j; the backward on y_hat adds its own bound."""
+    """The bound on |dz_hat - dz|, dz = y (c - sum_j c_j y_j) (README.md, "In training")."""
     y = reference.softmax_forward(z.cpu())
     f = forward_bound(impl, z, y)
     c64 = c.cpu().double()
@@ -442,7 +410,7 @@ def dz_error(impl, z, y_hat, c):
 
 def sgd_step(softmax, impl, state, x, c, lr):
     """One SGD step of linear -> softmax -> loss sum(c * y) from the linear layer's `state`:
-    the new state, the new [weight | bias], dloss/dz and dz_error's bound on it."""
+    (the new state, the new P = [weight | bias], dloss/dz, dz_error's bound on it)."""
     linear = torch.nn.Linear(x.shape[1], c.shape[1], device=DEVICE)
     linear.load_state_dict(state)
     z = linear(x)
@@ -451,74 +419,53 @@ def sgd_step(softmax, impl, state, x, c, lr):
     (y * c).sum().backward()
     torch.optim.SGD(linear.parameters(), lr=lr).step()
     new = torch.cat([linear.weight, linear.bias[:, None]], dim=1).detach()
-    error = dz_error(impl, z.detach(), y.detach(), c)
-    return {"state": linear.state_dict(), "new": new, "dz": z.grad, "dz_error": error}
+    return linear.state_dict(), new, z.grad, dz_error(impl, z.detach(), y.detach(), c)
 
 
-def sgd_step_bound(ours, theirs, x, old, lr):
-    """|P_ours - P_torch| after one step from the same P = [weight | bias]: the gradient
-    dz^T [x | 1] is a float32 product over the batch B (gamma_B), so with E each side's
-    dz_error and G = (|dz_ours| + |dz_torch|)^T |[x | 1]|,
-        |g_ours - g_torch| <= (E_ours + E_torch)^T |[x | 1]| + gamma_B G,
-    and the update P - lr g rounds twice on each side: + gamma_2 (2 |P| + lr G)."""
-    x1 = with_ones(x).cpu().double().abs()
-    g = (ours["dz"].cpu().double().abs() + theirs["dz"].cpu().double().abs()).T @ x1
-    gradient = (ours["dz_error"] + theirs["dz_error"]).T @ x1 + gamma(x.shape[0], U32) * g
-    return lr * gradient + gamma(2, U32) * (2 * old.cpu().double().abs() + lr * g)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
+@each_impl
 def test_module_trains_like_torch(impl):
     """A linear layer, Softmax(dim=-1) and a loss sum(c * y), four SGD steps: from the same
-    parameters, a step with our Softmax lands on the step with torch.nn.Softmax within
-    sgd_step_bound. Both continue from torch's parameters, so the bound stays one step's (two
-    runs kept apart would carry each step's difference through the next). Negative control: a
-    step whose gradient missed one example of the batch lies outside."""
+    parameters P, a step with our Softmax lands on the step with torch.nn.Softmax within
+    README.md's bound ("In training"). Both continue from torch's P, so the bound stays one
+    step's. Negative control: a step whose gradient missed one example of the batch."""
     fns = implementation(impl)
     torch.manual_seed(0)
     lr, state = 0.5, torch.nn.Linear(16, 33, device=DEVICE).state_dict()
     for _ in range(4):
-        old = torch.cat([state["weight"], state["bias"][:, None]], dim=1)
+        old = torch.cat([state["weight"], state["bias"][:, None]], dim=1).cpu().double()
         x, c = random_rows(8, 16, torch.float32), random_rows(8, 33, torch.float32)
-        ours = sgd_step(fns.Softmax(dim=-1), impl, state, x, c, lr)
-        theirs = sgd_step(torch.nn.Softmax(dim=-1), "torch", state, x, c, lr)
-        bound = sgd_step_bound(ours, theirs, x, old, lr)
-        assert_within_bound(ours["new"], theirs["new"], bound, f"{impl} parameters")
-        missing_one = theirs["new"] + lr * theirs["dz"][:1].T @ with_ones(x)[:1]
-        with pytest.raises(AssertionError, match="outside the bound"):
-            assert_within_bound(missing_one, theirs["new"], bound)
-        state = theirs["state"]
-
-
-class TinyClassifier(torch.nn.Module):
-    """A linear layer whose output goes through the implementation's softmax."""
-
-    def __init__(self, softmax):
-        super().__init__()
-        self.linear, self.softmax = torch.nn.Linear(16, 33), softmax
-
-    def forward(self, x):
-        return self.softmax(self.linear(x))
+        x1 = torch.cat([x, torch.ones(8, 1, device=DEVICE)], dim=1)  # [x | 1]: 1 meets the bias
+        _, ours, dz, error = sgd_step(fns.Softmax(dim=-1), impl, state, x, c, lr)
+        state, theirs, dz_torch, error_torch = sgd_step(
+            torch.nn.Softmax(-1), "torch", state, x, c, lr
+        )
+        x1_abs = x1.cpu().double().abs()
+        g = (dz.cpu().double().abs() + dz_torch.cpu().double().abs()).T @ x1_abs
+        gradient = (error + error_torch).T @ x1_abs + gamma(8, U32) * g
+        bound = lr * gradient + gamma(2, U32) * (2 * old.abs() + lr * g)
+        assert_within_bound(ours, theirs, bound, f"{impl} parameters")
+        missing_one = theirs + lr * dz_torch[:1].T @ x1[:1]
+        assert_rejects([missing_one], theirs, bound, torch.float32)
 
 
 @pytest.mark.parametrize("impl", ["triton", "cute"])
 def test_torch_compile_fullgraph(impl):
-    """torch.compile(fullgraph=True) traces a model that calls the custom op, forward and
-    backward, without graph breaks, and computes what the eager model computes. On the CPU
-    the aot_eager backend (no code generation) runs the interpreted Triton kernels."""
+    """torch.compile(fullgraph=True) traces a model that calls the module (so the custom op),
+    forward and backward, without graph breaks, and computes what the eager model computes.
+    On the CPU the aot_eager backend (no code generation) runs the interpreted Triton kernels."""
     fns = implementation(impl)
     torch.manual_seed(0)
-    model = TinyClassifier(fns.softmax).to(DEVICE)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), fns.Softmax(dim=-1)).to(DEVICE)
     compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     x = torch.randn(5, 16, device=DEVICE)
     eager_out = model(x)
     eager_out.square().sum().backward()
-    eager_grad = model.linear.weight.grad.clone()
+    eager_grad = model[0].weight.grad.clone()
     model.zero_grad()
     compiled_out = compiled(x)
     compiled_out.square().sum().backward()
     assert_same_bits(compiled_out.detach(), eager_out.detach())
-    assert_same_bits(model.linear.weight.grad, eager_grad)
+    assert_same_bits(model[0].weight.grad, eager_grad)
 
 
 # (3) Triton: the looped kernels and the dispatch between the two kernel shapes ---------------
@@ -550,9 +497,7 @@ def test_triton_dispatch():
 
 def test_triton_looped_at_real_size():
     """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes."""
-    forward_then_backward(
-        "triton", random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
-    )
+    forward_then_backward("triton", *(random_rows(2, 40000, torch.bfloat16) for _ in "xy"))
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
@@ -577,20 +522,6 @@ def test_cute_ptx(direction, dtype):
 
 # (5) GPU only --------------------------------------------------------------------------------
 
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-
-
-def float64_softmax(x):
-    """The stand-in for reference.py where Python is too slow: the same formula in float64."""
-    x64 = x.double()
-    e = torch.exp(x64 - x64.max(dim=-1, keepdim=True).values)
-    return (e / e.sum(dim=-1, keepdim=True)).cpu()
-
-
-def float64_softmax_backward(y, dy):
-    y64, dy64 = y.double(), dy.double()
-    return (y64 * (dy64 - (y64 * dy64).sum(dim=-1, keepdim=True))).cpu()
-
 
 def test_stand_ins_match_reference():
     """The float64 stand-ins agree with reference.py to far below any float32 bound."""
@@ -603,43 +534,33 @@ def test_stand_ins_match_reference():
 
 
 @gpu_only
-@pytest.mark.parametrize("impl", IMPLS)
+@each_impl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m, n", [(64, 8192), (16, 32000), (8, 65537), (3, 131072), (2, 262144)])
 def test_large_rows_against_float64(impl, dtype, m, n):
-    fns = implementation(impl)
-    x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
-    y = fns.softmax_forward(x, torch.empty_like(x))
-    exact = float64_softmax(x)
-    assert_within_bound(y, exact, forward_bound(impl, x, exact), f"{impl} forward")
-    dx = fns.softmax_backward(y, dy, torch.empty_like(y))
-    exact_dx = float64_softmax_backward(y, dy)
-    assert_within_bound(dx, exact_dx, backward_bound(impl, y, dy, exact_dx), f"{impl} backward")
+    """Long rows (every kernel's long-row path) against the float64 stand-ins."""
+    forward_then_backward(impl, random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype))
 
 
 @gpu_only
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_impl_and_dtype
 def test_cuda_graph_replays_the_eager_call(impl, dtype):
     """Captured in a CUDA graph, forward and backward replay on fresh data with the bits of an
     eager call: the launchers work on torch's current stream and do nothing a capture misses."""
     fns = implementation(impl)
-    x, dy = random_rows(5, 4099, dtype), random_rows(5, 4099, dtype)
-    y, dx = torch.empty_like(x), torch.empty_like(x)
-    fns.softmax_backward(fns.softmax_forward(x, y), dy, dx)  # compile and load first
+    x, dy, y, dx = (random_rows(5, 4099, dtype) for _ in range(4))
+    run_both(fns, x, dy, y, dx)  # compile and load first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fns.softmax_backward(fns.softmax_forward(x, y), dy, dx)
+        run_both(fns, x, dy, y, dx)
     x.copy_(random_rows(5, 4099, dtype))
     dy.copy_(random_rows(5, 4099, dtype))
+    graph.replay()
+    replayed = (y.clone(), dx.clone())
     y.fill_(float("nan"))
     dx.fill_(float("nan"))
-    graph.replay()
-    eager_y = fns.softmax_forward(x, torch.empty_like(x))
-    eager_dx = fns.softmax_backward(eager_y, dy, torch.empty_like(x))
-    torch.cuda.synchronize()
-    assert_same_bits(y, eager_y)
-    assert_same_bits(dx, eager_dx)
+    for got, eager in zip(replayed, run_both(fns, x, dy, y, dx), strict=True):
+        assert_same_bits(got, eager)
 
 
 @gpu_only
@@ -664,16 +585,5 @@ def test_ex2_error_within_common_figure():
 
 
 if __name__ == "__main__":
-    sys.exit(
-        pytest.main(
-            [
-                __file__,
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-W",
-                "ignore::RuntimeWarning",
-                *sys.argv[1:],
-            ]
-        )  # fmt: skip
-    )
+    options = ["-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"]
+    sys.exit(pytest.main([__file__, *options, *sys.argv[1:]]))
