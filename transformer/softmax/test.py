@@ -42,6 +42,7 @@ except ImportError as error:  # the folder was copied on its own, without common
     ) from error
 
 try:
+    import cute_2_cluster
     import cute_impl
 except ImportError as error:  # no CuTe DSL: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
@@ -67,6 +68,7 @@ each_impl_and_dtype = pytest.mark.parametrize(
     "impl, dtype", list(itertools.product(IMPLS, DTYPES)), ids=str
 )
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+needs_cute = pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 
 
 def module(name):
@@ -258,7 +260,7 @@ def special_rows(dtype, n=300):
     x[0, ::3] = -inf  # masked logits
     x[1, :] = -inf  # a fully masked row: NaN, as in torch
     x[2, 17] = inf
-    x[3, 200] = nan
+    x[3, n // 2] = nan
     x[4, :] = (1e4 * torch.randn(n, device=DEVICE)).to(dtype)  # large logits: no overflow
     x[5, :-1] = -inf  # one live logit: y = 1 there
     x[6, :] = x[6, 0]  # all equal: y = 1/n
@@ -503,7 +505,7 @@ def test_triton_looped_at_real_size():
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@needs_cute
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_ptx(direction, dtype):
@@ -518,6 +520,33 @@ def test_cute_ptx(direction, dtype):
     if direction == "forward":
         assert "ex2.approx.ftz.f32" in vector and "rcp.rn.f32" in vector
         assert "div.approx" not in vector and "rcp.approx" not in vector
+
+
+@needs_cute
+@each_dtype
+def test_cute_cluster_ptx(dtype):
+    """Step 2 builds for sm_90a: the block's rank in its cluster, mapa and st.async into the
+    peers' shared memory completing an mbarrier's bytes, the wait on it, the cluster barrier
+    that orders the mbarriers' set-up, 128-bit accesses, and one exp per element held (no
+    online rescale: the max is known first)."""
+    ptx = cute_impl.ptx_of("forward", dtype, contiguous=True, cluster_size=8)
+    for instruction in (
+        "%cluster_ctarank", "mapa.shared::cluster", "mbarrier.try_wait", "barrier.cluster.arrive",
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes", "barrier.cluster.wait",
+        "ld.global.v4", "st.global.v4", "rcp.rn.f32",
+    ):  # fmt: skip
+        assert instruction in ptx, instruction
+    assert ptx.count("ex2.approx.ftz.f32") == cute_2_cluster.CLUSTER_VALUES
+
+
+@needs_cute
+def test_cute_dispatch():
+    """Forward rows of CLUSTER_MIN_N .. CLUSTER_MAX_N take step 2, in clusters of 2, 4 or 8
+    blocks (the power of two whose slices cover N); the rest and every backward take step 1."""
+    sizes = [cute_impl.cluster_blocks("forward", n) for n in (32767, 32768, 40000, 65537, 131073)]
+    assert sizes == [0, 2, 4, 8, 0]
+    assert cute_impl.cluster_blocks("backward", 65536) == 0
+    assert cute_impl.forward_path(65536, torch.bfloat16) == (1, 6 + 8 + 2)
 
 
 # (5) GPU only --------------------------------------------------------------------------------
@@ -536,10 +565,24 @@ def test_stand_ins_match_reference():
 @gpu_only
 @each_impl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, n", [(64, 8192), (16, 32000), (8, 65537), (3, 131072), (2, 262144)])
+@pytest.mark.parametrize(
+    "m, n", [(64, 8192), (16, 32000), (5, 32768), (4, 40000), (8, 65537), (3, 131072), (2, 262144)]
+)
 def test_large_rows_against_float64(impl, dtype, m, n):
     """Long rows (every kernel's long-row path) against the float64 stand-ins."""
     forward_then_backward(impl, random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype))
+
+
+@gpu_only
+@each_dtype
+def test_cute_cluster_special_values_and_bits(dtype):
+    """Step 2 at N = 40000 (clusters of 4, the last block's slice mostly past N): the special
+    rows follow the definition, as torch does, and two runs give the same bits, whichever
+    block of a cluster sends first."""
+    x = special_rows(dtype, n=40000)
+    y = check("cute", "forward", x)
+    assert torch.equal(y.isnan(), torch.softmax(x.double(), dim=-1).isnan())
+    assert_same_bits(y, cute_impl.softmax_forward(x, torch.empty_like(x)))
 
 
 @gpu_only
