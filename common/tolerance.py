@@ -18,6 +18,12 @@ import torch
 _SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 
+# Approximate instructions (common/README.md, "Approximate instructions"): the relative error
+# against the exact function for a normal result. ex2.approx.ftz.f32 is within 2 ulp of the
+# correctly rounded 2**a (PTX ISA): 2 ulp <= 4u of the result, plus the u of that rounding.
+APPROX_RELATIVE_ERROR = {"ex2.approx.ftz.f32": 5 * 2.0**-24}
+
+
 def unit_roundoff(dtype):
     return 2.0 ** -_SIGNIFICAND_BITS[dtype]
 

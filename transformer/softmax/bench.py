@@ -1,0 +1,181 @@
+"""Benchmark softmax on the GPU, forward and forward+backward, against the anchors.
+
+    python bench.py            writes results.json and perf.png beside this file
+    python bench.py --quick    the two large shapes only, no files (the GPU probe)
+
+Minimal traffic: the forward reads x and writes y (2MN elements); the backward reads y and dy
+and writes dx (3MN), so fwd+bwd counts 5MN. Times are medians of `triton.testing.do_bench`
+(the L2 cache flushed before each call), implementations interleaved shape by shape. The
+ceiling is a 1 GiB device-to-device copy of the same run. The library op is torch.softmax
+(fwd+bwd: its autograd). Anchors, when importable: torch.compile of torch_impl (its result
+checked first), Liger's and QuACK's softmax; a missing one prints why.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import torch_impl
+import triton_impl
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(32768, 8192), (8192, 131072), (4096, 32000), (1, 32000), (1, 131072), (32768, 1024)]
+QUICK_SHAPES = SHAPES[:2]
+DTYPES = [torch.bfloat16, torch.float32]
+TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows
+
+
+def implementations():
+    """{impl: differentiable forward(x) -> y}, anchors included where importable."""
+    impls = {
+        "library": lambda x: torch.softmax(x, -1),
+        "torch": torch_impl.softmax,
+        "triton": triton_impl.softmax,
+    }
+    try:
+        import cute_impl
+
+        impls["cute"] = cute_impl.softmax
+    except ImportError as error:
+        print(f"cute is not measured: {error}")
+    impls["compile"] = torch.compile(torch_impl.softmax)
+    try:
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+        impls["liger"] = LigerSoftmaxFunction.apply
+    except ImportError as error:
+        print(f"liger is not measured: {error}")
+    try:
+        from quack.softmax import softmax as quack_softmax
+
+        impls["quack"] = quack_softmax
+    except ImportError as error:
+        print(f"quack is not measured: {error}")
+    return impls
+
+
+def median_ms(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_ceiling_gbps():
+    source = torch.randn(2**28, device="cuda")
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / median_ms(lambda: target.copy_(source)) / 1e6
+
+
+def timed_passes(forward, x, dy):
+    """(fwd ms, fwd+bwd ms) of a differentiable forward; the anchor must agree with torch."""
+    x_grad = x.detach().requires_grad_()
+    expected = torch.softmax(x.float(), -1)
+    got = forward(x).float()
+    if not torch.allclose(got, expected, atol=1e-2, rtol=0):  # a sanity check, not the bound
+        raise RuntimeError(f"wrong result (largest error {(got - expected).abs().max():.3g})")
+    fwd = median_ms(lambda: forward(x))
+
+    def forward_backward():
+        x_grad.grad = None
+        forward(x_grad).backward(dy)
+
+    return fwd, median_ms(forward_backward)
+
+
+def per_call_rows(impls, dtype):
+    """host_us: wall time of back-to-back forward calls at TINY_SHAPE, rounds rotated."""
+    x = torch.randn(*TINY_SHAPE, device="cuda", dtype=dtype)
+    names = list(impls)
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            impls[name](x)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                impls[name](x)
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    host = {name: statistics.median(us) for name, us in samples.items()}
+    return [
+        {"impl": impl, "pass": "fwd", "dtype": str(dtype)[6:], "shape": list(TINY_SHAPE),
+         "ms": None, "GBps": None, "TFLOPs": None, "pct_of_ceiling": None,
+         "vs_library": host["library"] / us, "host_us": us}
+        for impl, us in host.items()
+    ]  # fmt: skip
+
+
+def shape_rows(impls, dtype, shape, ceiling):
+    m, n = shape
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    times = {}
+    for name, forward in impls.items():
+        try:
+            times[name] = timed_passes(forward, x, dy)
+        except Exception as error:  # an anchor that refuses a shape (Liger past N = 65536)
+            print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
+                  f"{str(error)[:80]})")  # fmt: skip
+    rows = []
+    for name, (fwd_ms, both_ms) in times.items():
+        for pass_name, ms, elements in (("fwd", fwd_ms, 2), ("fwd+bwd", both_ms, 5)):
+            gbps = elements * m * n * x.element_size() / ms / 1e6
+            library = times.get("library", (None, None))[pass_name == "fwd+bwd"]
+            rows.append(
+                {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:], "shape": [m, n],
+                 "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
+                 "vs_library": library / ms if library else None}
+            )  # fmt: skip
+            print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r["ms"] is not None]
+    panels = [(d, p) for d in ("bfloat16", "float32") for p in ("fwd", "fwd+bwd")]
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5))
+    labels = [f"{m}x{n}" for m, n in SHAPES]
+    for ax, (dtype, pass_name) in zip(axes, panels, strict=True):
+        names = list(dict.fromkeys(r["impl"] for r in timed))
+        for k, name in enumerate(names):
+            mine = [
+                r for r in timed if (r["impl"], r["dtype"], r["pass"]) == (name, dtype, pass_name)
+            ]
+            pct = {"{}x{}".format(*r["shape"]): r["pct_of_ceiling"] for r in mine}
+            width = 1 / (len(names) + 1)
+            bars = [pct.get(label, 0) for label in labels]
+            ax.bar([i + k * width for i in range(len(labels))], bars, width, label=name)
+        ax.set_xticks(range(len(labels)), labels, rotation=30)
+        ax.set(ylabel="% of copy bandwidth (minimal bytes)", title=f"softmax {pass_name}, {dtype}")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(quick=False):
+    ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
+    for dtype in DTYPES:
+        if not quick:
+            rows += per_call_rows(impls, dtype)
+        for shape in QUICK_SHAPES if quick else SHAPES:
+            rows += shape_rows(impls, dtype, shape, ceiling)
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    results = {"device": torch.cuda.get_device_name(), "ceilings": {"copy_GBps": ceiling},
+               "rows": rows}  # fmt: skip
+    if not quick:
+        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        plot(rows, HERE / "perf.png")
+    return results
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)

@@ -1,0 +1,216 @@
+"""softmax forward and backward in the CuTe DSL: the public functions over two kernel steps.
+
+    y_i = exp(x_i - m) / sum_j exp(x_j - m)          dx_i = y_i (dy_i - sum_j dy_j y_j)
+
+* step 1, cute_1_two_pass.py: one block of 256 threads per row, two passes over it (any N; the
+  backward always, the forward outside step 2's range): 3MN forward traffic when pass 2 misses.
+* step 2, cute_2_cluster.py: the forward for CLUSTER_MIN_N <= N <= CLUSTER_MAX_N, the row
+  spread over a thread-block cluster that reduces through distributed shared memory, so x is
+  read once (2MN).
+
+README.md, "CuTe", draws both maps. This file compiles each launcher once per specialisation
+(direction, dtype, access width, cluster size) for TVM-FFI calls on torch tensors, picks the
+step (`cluster_blocks`), exports what README.md's bound counts (`forward_path`,
+`backward_path`), and gives the autograd.Function, the custom ops and the nn.Module.
+"""
+
+import functools
+import math
+import tempfile
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+import cute_2_cluster as cluster
+from cute_1_two_pass import (
+    THREADS_PER_BLOCK,
+    VECTOR_BYTES,
+    launch_backward,
+    launch_forward,
+    tile_shape,
+)
+from reference import SoftmaxModule, as_rows, check_backward, check_forward
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+def placeholder(dtype, m, n, vector_elems):
+    """What cute.compile sees of an (M, N) operand: symbolic sizes, and either unit column
+    stride with a row stride divisible by the vector on a 16-byte boundary (the vector build,
+    every full tile 16-byte aligned) or two symbolic strides on an element boundary."""
+    if vector_elems > 1:
+        stride = (cute.sym_int64(divisibility=vector_elems), 1)
+    else:
+        stride = (cute.sym_int64(), cute.sym_int64())
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (m, n), stride=stride, assumed_align=dtype.itemsize * vector_elems
+    )
+
+
+def elements_per_access(dtype, vector_friendly):
+    return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
+
+
+def build(direction, dtype, vector_elems, cluster_size=0, options=""):
+    """cute.compile the forward (x, y) or backward (y, dy, dx) launcher for TVM-FFI calls on
+    torch (M, N) tensors, on torch's current stream; the operands share symbolic M and N. A
+    cluster_size > 0 builds step 2's forward for clusters of that many blocks."""
+    m, n = cute.sym_int64(), cute.sym_int64()
+    operands = 2 if direction == "forward" else 3
+    if cluster_size:
+        launcher, constants = cluster.launch_forward_cluster, (vector_elems, cluster_size)
+    else:
+        launcher = launch_forward if direction == "forward" else launch_backward
+        constants = (vector_elems,)
+    return cute.compile(
+        launcher,
+        *(placeholder(dtype, m, n, vector_elems) for _ in range(operands)),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), *constants,
+        options=f"--enable-tvm-ffi {options}",
+    )  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(direction, dtype, vector_elems, cluster_size):
+    """The compiled launcher, built once per (direction, dtype, access width, cluster size)."""
+    return build(direction, dtype, vector_elems, cluster_size).__tvm_ffi_object__()
+
+
+def cluster_blocks(direction, n):
+    """The blocks of a cluster that share a row in step 2 (the forward of long rows), else 0:
+    step 1. Shorter rows fit one block's pass 2 in L2; longer ones do not fit the registers."""
+    if direction == "forward" and cluster.CLUSTER_MIN_N <= n <= cluster.CLUSTER_MAX_N:
+        return cluster.cluster_size(n)
+    return 0
+
+
+def ptx_of(direction, dtype, contiguous, cluster_size=0):
+    """The sm_90a PTX of a build: what the tests read for 128-bit loads, ex2, shuffles and the
+    cluster's mapa, st.async and barriers."""
+    vector_elems = elements_per_access(dtype, contiguous)
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(direction, dtype, vector_elems, cluster_size, options).__ptx__
+
+
+def is_vector_friendly(rows):
+    """Unit column stride, rows starting on 16-byte boundaries."""
+    run = VECTOR_BYTES // rows.element_size()
+    return (
+        (rows.stride(1) == 1 or rows.shape[1] == 1)
+        and rows.data_ptr() % VECTOR_BYTES == 0
+        and (rows.stride(0) % run == 0 or rows.shape[0] == 1)
+    )
+
+
+def forward_path(n, dtype):
+    """(exp2 evaluations, float32 roundings after the exp) on a term's way into the row sum.
+    Step 2: cute_2_cluster.forward_path. Step 1: its own exp, a rescale per later tile and one
+    before block_sum; the tile's pairwise tree, the add into the thread's sum, a multiply and
+    an add per later tile, the rescale's multiply, and the 8 levels of block_sum."""
+    if cluster_blocks("forward", n):
+        return cluster.forward_path(n, dtype)
+    tile_elems, per_thread = tile_shape(dtype.itemsize * 8)
+    tiles = -(-n // tile_elems)
+    block_levels = int(math.log2(THREADS_PER_BLOCK))
+    return tiles + 1, int(math.log2(per_thread)) + 1 + 2 * (tiles - 1) + 1 + block_levels
+
+
+def backward_path(n, dtype):
+    """Additions on a product's way into the row's dot: the tile's pairwise tree, the add into
+    the thread's sum, one per later tile, and the 8 levels of block_sum."""
+    tile_elems, per_thread = tile_shape(dtype.itemsize * 8)
+    tiles = -(-n // tile_elems)
+    return int(math.log2(per_thread)) + 1 + (tiles - 1) + int(math.log2(THREADS_PER_BLOCK))
+
+
+def run_on_rows(direction, inputs, output):
+    """Launch the build that fits the operands, viewed as (M, N) rows; returns output."""
+    if not output.is_cuda:
+        raise ValueError(f"the operands are on {output.device}; the CuTe kernel needs CUDA tensors")
+    if output.numel() == 0:
+        return output
+    rows = [as_rows(t)[0] for t in inputs]
+    output_rows, copied = as_rows(output, for_output=True)
+    friendly = all(is_vector_friendly(t) for t in (*rows, output_rows))
+    vector_elems = elements_per_access(output.dtype, friendly)
+    # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
+    cluster_size = cluster_blocks(direction, output.shape[-1])
+    compile_kernel(direction, output.dtype, vector_elems, cluster_size)(*rows, output_rows)
+    if copied:
+        output.copy_(output_rows.view(output.shape))
+    return output
+
+
+def softmax_forward(x, y):
+    check_forward(x, y)
+    return run_on_rows("forward", (x,), y)
+
+
+def softmax_backward(y, dy, dx):
+    check_backward(y, dy, dx)
+    return run_on_rows("backward", (y, dy), dx)
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    """softmax as an autograd.Function over the two plain functions (the eager path)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = softmax_forward(x, torch.empty_like(x))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy, torch.empty_like(y))
+
+
+# The same two functions as custom ops, so torch.compile traces a model that calls them.
+@torch.library.custom_op("kernel_course::softmax_cute_forward", mutates_args=())
+def forward_op(x: torch.Tensor) -> torch.Tensor:
+    return softmax_forward(x, torch.empty_like(x))
+
+
+@torch.library.custom_op("kernel_course::softmax_cute_backward", mutates_args=())
+def backward_op(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return softmax_backward(y, dy, torch.empty_like(y))
+
+
+@forward_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@backward_op.register_fake
+def _(y, dy):
+    return torch.empty_like(y)
+
+
+def save_output(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def backward_of_forward_op(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return backward_op(y, dy)
+
+
+forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
+
+
+def softmax(x):
+    """softmax over x's last dimension: differentiable, and traceable by torch.compile."""
+    return forward_op(x)
+
+
+class Softmax(SoftmaxModule):
+    """Drop-in for torch.nn.Softmax(dim), on this file's softmax."""
+
+    last_dim_softmax = staticmethod(softmax)

@@ -1,0 +1,181 @@
+"""softmax over the last dimension, forward and backward: the definition.
+
+    y_i  = exp(x_i - m) / sum_j exp(x_j - m),      m = max_j x_j
+    dx_i = y_i (dy_i - sum_j dy_j y_j)
+
+for every row of an (..., N) tensor; the leading dimensions flatten to M rows. README.md
+derives the backward by hand. The row maximum m changes nothing in exact arithmetic (it cancels
+between numerator and denominator); it keeps exp from overflowing and makes the largest term
+exactly exp(0) = 1, so the denominator is at least 1.
+
+Special values follow IEEE arithmetic applied to the formula as written, which is what
+torch.softmax returns too:
+  * x_i = -inf (a masked logit) gives y_i = 0, and the rest of the row is unchanged;
+  * a row of -inf only has m = -inf and x_i - m = -inf - (-inf) = NaN: the whole row is NaN;
+  * a +inf gives m = +inf and inf - inf = NaN in the sum: the whole row is NaN;
+  * a NaN anywhere enters the sum: the whole row is NaN.
+
+This file is the contract: `check_forward` and `check_backward` say which operands are valid
+(every implementation calls them before launching anything), `SoftmaxModule` is the
+torch.nn.Softmax interface every implementation's `Softmax` drop-in shares, `softmax_forward` and
+`softmax_backward` what the answer is, in plain Python over Python floats: float16, bfloat16
+and float32 values widen exactly to float64, a product of two of them is exact there, and
+`math.fsum` rounds each sum once. exp is float64's (an error of about 2**-52, far below the
+float32 bounds the kernels are held to). They return new float64 tensors and mutate nothing.
+"""
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def address_range(t):
+    """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
+    if t.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+
+
+def overlap(a, b):
+    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
+    range_a, range_b = address_range(a), address_range(b)
+    if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
+        return "none"
+    same_layout = all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+    return "same" if range_a[0] == range_b[0] and same_layout else "partial"
+
+
+def elements_collide(t):
+    """True unless t's elements have distinct addresses by the simple test: sorted by stride,
+    each dimension's stride steps past everything the smaller ones span. (Conservative: a
+    layout that interleaves dimensions without collisions is refused too; torch makes none.)"""
+    span = 0
+    for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
+        if size > 1:
+            if stride <= span:
+                return True
+            span += (size - 1) * stride
+    return False
+
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have a last dimension to normalise over, got a 0-dim tensor")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+
+
+def _check_operands(inputs, outputs):
+    """inputs and outputs: ((name, tensor), ...); the first input sets shape, dtype and device.
+    An output may be one of the inputs itself (in place), never a partial overlap."""
+    for name, t in inputs + outputs:
+        _check_tensor(name, t)
+    (first_name, first), *others = inputs + outputs
+    for name, t in others:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}")
+        if t.shape != first.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}"
+            )
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+    for name, t in outputs:
+        if elements_collide(t):
+            raise ValueError(f"{name}'s strides {t.stride()} give two of its elements one address")
+        for other_name, other in inputs + outputs:
+            if other is not t and overlap(t, other) == "partial":
+                raise ValueError(f"{name} partially overlaps {other_name}")
+
+
+def check_forward(x, y):
+    """Raise TypeError/ValueError, naming the operand, for anything softmax_forward refuses
+    (y None: the inputs only)."""
+    _check_operands((("x", x),), () if y is None else (("y", y),))
+
+
+def check_backward(y, dy, dx):
+    """The same for softmax_backward (dx None: the inputs only)."""
+    _check_operands((("y", y), ("dy", dy)), () if dx is None else (("dx", dx),))
+
+
+def as_rows(t, for_output=False):
+    """(rows, copied): t as an (M, N) matrix over its own memory when its leading dimensions
+    merge into one row stride (contiguous tensors, slices of a wider last dimension, transposes
+    of the last two), else a fresh contiguous matrix: a copy of t's values for an input, an
+    uninitialised one for an output (copied = True: the caller copies the result back)."""
+    n = t.shape[-1]
+    try:
+        return t.view(-1, n), False
+    except RuntimeError:  # the leading dimensions' strides do not merge
+        if for_output:
+            return torch.empty(t.numel() // n, n, dtype=t.dtype, device=t.device), True
+        return t.reshape(-1, n), True
+
+
+class SoftmaxModule(torch.nn.Module):
+    """torch.nn.Softmax(dim)'s interface over an implementation's softmax of the last dimension,
+    `last_dim_softmax` (each implementation file's `Softmax` sets it). Another dim is moved last
+    and back, so the output has torch's layout. No parameters: the state_dict is empty, as
+    torch's is. dim must be given: torch's implicit choice for dim=None is deprecated."""
+
+    last_dim_softmax = None
+
+    def __init__(self, dim):
+        super().__init__()
+        if not isinstance(dim, int):
+            raise TypeError(f"dim must be an int (the dimension to normalise over), got {dim!r}")
+        self.dim = dim
+
+    def forward(self, x):
+        if self.dim in (-1, x.dim() - 1):
+            return self.last_dim_softmax(x)
+        return self.last_dim_softmax(x.movedim(self.dim, -1)).movedim(-1, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+def exact_sum(terms):
+    """The correctly rounded sum; fsum refuses infinities and NaN, where IEEE addition is exact."""
+    if all(math.isfinite(t) for t in terms):
+        return math.fsum(terms)
+    return sum(terms)
+
+
+def softmax_row(row):
+    if any(math.isnan(v) for v in row):
+        return [math.nan] * len(row)  # max() of a list with NaN depends on the order
+    m = max(row)
+    exps = [math.exp(v - m) for v in row]  # -inf - -inf and inf - inf are NaN: exp(NaN) = NaN
+    total = exact_sum(exps)
+    return [e / total for e in exps]
+
+
+def softmax_backward_row(y_row, dy_row):
+    s = exact_sum([dy_j * y_j for dy_j, y_j in zip(dy_row, y_row, strict=True)])
+    return [y_i * (dy_i - s) for y_i, dy_i in zip(y_row, dy_row, strict=True)]
+
+
+def softmax_forward(x, y=None):
+    """The exact softmax of every row of x, a new float64 tensor of x's shape (y, if given, is
+    only checked: the reference never writes)."""
+    check_forward(x, y)
+    rows = x.detach().cpu().reshape(-1, x.shape[-1]).tolist() if x.numel() else []
+    result = [softmax_row(row) for row in rows]
+    return torch.tensor(result, dtype=torch.float64).reshape(x.shape)
+
+
+def softmax_backward(y, dy, dx=None):
+    """dx for the stored forward output y and the incoming gradient dy, a new float64 tensor."""
+    check_backward(y, dy, dx)
+    n = y.shape[-1]
+    y_rows = y.detach().cpu().reshape(-1, n).tolist() if y.numel() else []
+    dy_rows = dy.detach().cpu().reshape(-1, n).tolist() if y.numel() else []
+    result = [softmax_backward_row(a, b) for a, b in zip(y_rows, dy_rows, strict=True)]
+    return torch.tensor(result, dtype=torch.float64).reshape(y.shape)
