@@ -28,7 +28,9 @@ gemm_tma_kernel  persistent: each program walks units p, p + programs, ...; A an
 `choose_path` sends tensor-core work to the TMA kernel when TMA can fetch both operands, through
 an aligned copy of the operand(s) it cannot fetch when the copy is cheap against the product
 ("staged"), and everything else to the pointer kernel. No addition depends on timing: the same
-inputs give the same bits on every run.
+inputs give the same bits on every run. `launch` starts either kernel: through kernel[grid] at
+the first call of a specialisation, straight to the compiled kernel after (README.md, "The
+host path").
 """
 
 import contextlib
