@@ -3,7 +3,8 @@
 Per case: the wall time of a call (1000 back-to-back calls, the median of 3 runs) of gemm through
 the direct launch ("ours"), of gemm forced through kernel[grid] ("kernel[grid]", the old path),
 of cuBLAS (torch.addmm) and of its two parts: gemm's Python with the launch left out ("host
-python") and the compiled kernel's launcher alone ("launcher"); do_bench times of the three
+python") and the compiled kernel's launcher alone ("launcher"; on the TMA path, of which
+"descriptor encode" turns the two descriptors into CUtensorMaps); do_bench times of the three
 calls; and whether ours gives the bits of kernel[grid]. Floors: a bare Triton launch of a
 3-argument kernel and torch's y.copy_(x). Then the Triton tests of test.py that the launch
 touches. Run from gemm/: python probe_launch.py (writes $OUT/probe_launch.json when OUT is set).
@@ -21,13 +22,17 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.backends.nvidia.driver import make_tensordesc_arg
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import triton_impl  # noqa: E402
 
-CASES = [(64, 64, 64, "NN"), (1, 4096, 4096, "NT"), (16, 4096, 4096, "NT"),
-         (64, 4096, 4096, "NT"), (1024, 1024, 1024, "NN"), (2048, 2048, 2048, "NN")]  # fmt: skip
+# "NN padded": A's rows one element longer than k, which TMA cannot fetch: the pointer kernel.
+CASES = [(64, 64, 64, "NN"), (64, 64, 64, "NN padded"), (1, 4096, 4096, "NT"),
+         (16, 4096, 4096, "NT"), (64, 4096, 4096, "NT"), (1024, 1024, 1024, "NN"),
+         (2048, 2048, 2048, "NN")]  # fmt: skip
 TESTS = (
     "specialisation_is or launch_key or once_per_key or direct_launch"
     " or cuda_graph_replays_triton_paths"
@@ -91,7 +96,7 @@ class Recorder:
 
 
 def operands(m, n, k, layout, dtype=torch.bfloat16):
-    A = torch.randn(m, k, device="cuda", dtype=dtype)
+    A = torch.randn(m, k + 1 if "padded" in layout else k, device="cuda", dtype=dtype)[:, :k]
     B = torch.randn(k, n, device="cuda", dtype=dtype)
     if layout[1] == "T":
         B = torch.randn(n, k, device="cuda", dtype=dtype).T
@@ -122,6 +127,13 @@ def probe_case(m, n, k, layout):
     ours()
     triton_impl.COMPILED[key] = Recorder(compiled, None), rest
     row.update(wall_us({"host python": ours, "launcher": lambda: compiled.run(*launches[0])}))
+    # Of the launcher's time on the TMA path: encoding the two CUtensorMaps, as it does per call.
+    descriptors = [arg for arg in launches[0] if isinstance(arg, TensorDescriptor)]
+    if descriptors:
+        metadata = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descriptors)
+        pairs = list(zip(descriptors, metadata, strict=True))
+        encode = lambda: [make_tensordesc_arg(*pair) for pair in pairs]  # noqa: E731
+        row["descriptor encode"] = wall_us({"encode": encode})["encode"]
     triton_impl.COMPILED.clear()
     return row
 
