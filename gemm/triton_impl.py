@@ -486,12 +486,13 @@ def unhooked(hook):
 
 def launch(kernel, programs, args, constants, specialised):
     """kernel[(programs,)](*args, **constants), where `specialised` is specialisation() of the
-    arguments that change between calls with the same constants (the rest, floats, None and
-    descriptors, Triton specialises on types, dtypes and block shapes the constants fix). The
-    first call of each key goes through Triton, which compiles the kernel or finds it compiled;
-    later ones call its launcher on the current stream as Triton's last step does. Triton's own
-    path stays for whatever needs it: the interpreter and wrapped kernels (no JITFunction),
-    pre-run and launch hooks (a profiler), a kernel that reads globals (checked each launch)."""
+    ints and the caller's tensors among `args`; what Triton makes of the others the constants
+    and C's dtype fix (a float is float32, None a constant, a descriptor its dtype and block
+    shape, the split workspace a whole allocation, aligned). The first call of each key goes
+    through Triton, which compiles the kernel or finds it compiled; later ones call its launcher
+    on the current stream, as Triton's last step does. Triton's own path stays for whatever needs
+    it: the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a
+    profiler), a kernel that reads globals (Triton checks them at each launch)."""
     if (
         not isinstance(kernel, JITFunction)
         or kernel.pre_run_hooks
