@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import reference
 import torch_impl
@@ -428,7 +435,7 @@ def test_split_k(monkeypatch, m, k, dtype):
         triton_impl.gemm(ALPHA, A, B, BETA, second, allow_tf32=allow_tf32)
         assert_same_bits(second, first, "a second run")
         assert launched == [KERNEL_OF_PATH[path]] * 2
-    for counters in triton_impl.TILE_COUNTERS.values():
+    for _, counters in triton_impl.SPLIT_WORKSPACES.values():
         assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
 
 
@@ -617,7 +624,7 @@ def test_cuda_graph_replays_triton_paths(path, shape):
         triton_impl.gemm(ALPHA, A, B, BETA, eager)
         torch.cuda.synchronize()
         assert_same_bits(C, eager, f"replay {replay} against eager")
-    for counters in triton_impl.TILE_COUNTERS.values():
+    for _, counters in triton_impl.SPLIT_WORKSPACES.values():
         assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
 
 
@@ -773,6 +780,236 @@ def test_triton_ptx():
         else:
             assert facts["wgmma"] == facts["mma.sync"] == 0, name
         assert (facts["tma"] > 0) == (kernel == "gemm_tma_kernel"), name
+
+
+# --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
+
+
+def sm90_backend():
+    """Triton's backend for the H200 (sm_90), which needs no GPU."""
+    return make_backend(GPUTarget("cuda", 90, 32))
+
+
+def tritons_binder(kernel):
+    """What kernel[grid](*args, **constants) runs first in Triton 3.6, for sm_90: its binder,
+    binder(*args, **constants) -> (the arguments by name, their specialisation, the options).
+    Built from the kernel's Python function: under the interpreter a kernel is no JITFunction."""
+    jit = JITFunction(kernel.fn)
+    return create_function_from_signature(jit.signature, jit.params, sm90_backend())
+
+
+def off_alignment(rows, cols, dtype):
+    """A row-major rows x cols matrix whose address is one element past a 16-byte boundary."""
+    return torch.empty(rows * cols + 1, dtype=dtype, device=DEVICE)[1:].view(rows, cols)
+
+
+def test_specialisation_is_tritons():
+    """specialisation() tells two ints, or two tensors, apart exactly when Triton's binder
+    (native_specialize_impl) does: 1, multiples of 16 and not, on both sides of 2**31; each
+    dtype at addresses 16-byte aligned and not."""
+    ints = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**62]
+    buffer = torch.empty(64, device=DEVICE)
+    tensors = [buffer.to(dtype)[offset:] for dtype in DTYPES for offset in (0, 1, 4, 8)]
+    backend = sm90_backend()
+    for values, ours in [
+        (ints, lambda x: triton_impl.specialisation((x,), ())),
+        (tensors, lambda t: triton_impl.specialisation((), (t,))),
+    ]:
+        theirs = lambda x: native_specialize_impl(backend, x, False, True, True)  # noqa: E731
+        for x in values:
+            for y in values:
+                assert (ours(x) == ours(y)) == (theirs(x) == theirs(y)), (x, y)
+
+
+def launch_key_cases():
+    """gemm calls (alpha, A, B, beta, C, allow_tf32) that vary everything Triton compiles for:
+    dtypes, layouts, the three paths, split and not, sizes and strides of 1, multiples of 16 and
+    not, past 2**31 on unit dims, pointers off 16-byte alignment, alpha or beta 0. The values
+    are never read: the launches are recorded, not run."""
+    for dtype in DTYPES:
+        for layout in LAYOUTS:
+            for m, n, k in [(1, 40, 1024), (1, 48, 1024), (17, 33, 65), (64, 64, 64), (3, 1, 7)]:
+                A, B, C = (torch.empty_like(t) for t in operands(m, n, k, dtype, layout))
+                yield ALPHA, A, B, BETA, C, False
+                yield 0.0, A, B, BETA, C, False
+                yield ALPHA, A, B, 0.0, C, dtype == torch.float32
+    for dtype in DTYPES:  # the same shapes at addresses one element off 16 bytes
+        for m, n, k in [(64, 64, 64), (1, 40, 1024), (1100, 1030, 131)]:
+            A, B, C = (off_alignment(*shape, dtype) for shape in ((m, k), (k, n), (m, n)))
+            yield ALPHA, A, B, BETA, C, False
+            yield ALPHA, A.clone(), B.clone(), BETA, C, False  # A and B aligned, C not
+    huge = 2**31 + 16
+    A = torch.empty(64, device=DEVICE).as_strided((1, 64), (huge, 1))
+    C = torch.empty(32, device=DEVICE).as_strided((1, 32), (huge, 1))
+    yield ALPHA, A, torch.empty(64, 32, device=DEVICE), BETA, C, False
+
+
+def test_launch_key_holds_tritons(monkeypatch):
+    """Two of gemm's launches with one key (the kernel, specialisation() of the arguments the
+    caller names, the constants) have one Triton key (its binder's specialisation and options):
+    the key misses nothing Triton compiles for (without any one part of specialisation(), two of
+    these launches share a key that Triton tells apart). The calls reach 197 of Triton's keys."""
+    launches = []
+    monkeypatch.setattr(triton_impl, "launch", lambda *launch: launches.append(launch))
+    for alpha, A, B, beta, C, allow_tf32 in launch_key_cases():
+        triton_impl.gemm(alpha, A, B, beta, C, allow_tf32=allow_tf32)
+    binders, tritons_key_of = {}, {}
+    for kernel, _programs, args, constants, specialised in launches:
+        if kernel not in binders:
+            binders[kernel] = tritons_binder(kernel)
+        binder = binders[kernel]
+        _, tritons_specialisation, options = binder(*args, **constants)
+        theirs = str(tritons_specialisation) + str(options)
+        ours = (kernel, specialised, *constants.values())
+        assert tritons_key_of.setdefault(ours, theirs) == theirs, (ours, theirs)
+    assert len(set(tritons_key_of.values())) >= 197
+
+
+class CompiledStandIn:
+    """Stands in for a CompiledKernel: run(grid x, y, z, stream, ...) records the stream and the
+    arguments it hands the kernel."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args):
+        self.runs.append((stream, hooks_and_args[3:]))
+
+
+class KernelStandIn(JITFunction):
+    """A JITFunction whose kernel[grid](...) records the call instead of compiling it, and returns a
+    CompiledStandIn."""
+
+    def __init__(self, fn, through_triton, runs):
+        super().__init__(fn)
+        self.through_triton, self.runs = through_triton, runs
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            self.through_triton.append(grid)
+            return CompiledStandIn(self.runs)
+
+        return run
+
+
+def test_launch_goes_through_triton_once_per_key(monkeypatch):
+    """The first launch of a key goes through kernel[grid], later ones to the compiled kernel's
+    launcher with the arguments Triton binds, in order, on the stream current at each call; a
+    pointer off 16-byte alignment or a size of 1 is a new key; a launch hook or a pre-run hook
+    sends every launch through Triton."""
+    recorded = []
+    monkeypatch.setattr(triton_impl, "launch", lambda *launch: recorded.append(launch))
+    A, B, C = operands(64, 48, 32, torch.float32, "NN")
+    misaligned = off_alignment(64, 32, torch.float32)
+    for A_, C_ in [(A, C), (A, C), (misaligned, C), (A, C), (A[:2], C[:2]), (A[:1], C[:1])]:
+        triton_impl.gemm(ALPHA, A_, B, BETA, C_)
+    monkeypatch.undo()
+    streams = [7]
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda _: streams[-1])
+    monkeypatch.setattr(triton_impl, "driver", SimpleNamespace(active=active))
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    through_triton, runs = [], []
+    kernel = KernelStandIn(triton_impl.gemm_kernel.fn, through_triton, runs)
+    launch = lambda i: triton_impl.launch(kernel, *recorded[i][1:])  # noqa: E731
+
+    launch(0), launch(1)
+    assert len(through_triton) == 1 and len(runs) == 1
+    bound, _, _ = tritons_binder(kernel)(*recorded[1][2], **recorded[1][3])
+    stream, args = runs[0]
+    assert stream == 7 and len(args) == len(bound)
+    assert all(ours is theirs for ours, theirs in zip(args, bound.values(), strict=True))
+    streams.append(8)  # another stream made current
+    launch(1)
+    assert runs[-1][0] == 8 and len(through_triton) == 1
+    launch(2), launch(2), launch(3)
+    assert len(through_triton) == 2 and len(runs) == 4, "a misaligned A needs its own kernel"
+    launch(4), launch(5), launch(5)
+    assert len(through_triton) == 4 and len(runs) == 5, "so does m = 1, after m = 2"
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(1)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(through_triton) == 5, "a launch hook is called on Triton's path only"
+    kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    launch(1)
+    assert len(through_triton) == 6 and len(runs) == 5
+
+
+class RecordingCompiled:
+    """A CompiledKernel whose launches also record the stream each goes to."""
+
+    def __init__(self, compiled, streams):
+        self.compiled, self.streams = compiled, streams
+        self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
+
+    def run(self, *launch):
+        self.streams.append(launch[3])
+        self.compiled.run(*launch)
+
+
+def record_direct_launches():
+    """The list of the streams of the direct launches of the kernels compiled so far."""
+    streams = []
+    for key, (compiled, rest) in triton_impl.COMPILED.items():
+        triton_impl.COMPILED[key] = RecordingCompiled(compiled, streams), rest
+    return streams
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a direct launch runs a compiled kernel: GPU only")
+@pytest.mark.parametrize(
+    "path, shape, layout",
+    [("pointer", (65, 63, 33), "NN"), ("tma", (300, 264, 136), "NN"),
+     ("staged", (1100, 1030, 131), "NN"), ("tma", (16, 264, 2048), "NT"),
+     ("pointer", (16, 264, 2047), "NT")],
+    ids=str,
+)  # fmt: skip
+def test_direct_launch_gives_tritons_bits(monkeypatch, path, shape, layout):
+    """Each path, split and not: the first call goes through kernel[grid], the second straight to
+    the compiled kernel, a third through kernel[grid] again (a launch hook is set): one set of
+    bits."""
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    m, n, k = shape
+    A, B, C = operands(m, n, k, torch.bfloat16, layout)
+    assert triton_impl.choose_path(A, B, True) == path
+    first, direct, hooked = C.clone(), C.clone(), C.clone()
+    triton_impl.gemm(ALPHA, A, B, BETA, first)
+    streams = record_direct_launches()
+    triton_impl.gemm(ALPHA, A, B, BETA, direct)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        triton_impl.gemm(ALPHA, A, B, BETA, hooked)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert streams == [torch.cuda.current_stream().cuda_stream]
+    assert_same_bits(direct, first, "direct against kernel[grid]")
+    assert_same_bits(hooked, first, "kernel[grid] with a hook against without")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a direct launch runs a compiled kernel: GPU only")
+def test_direct_launch_on_a_second_stream(monkeypatch):
+    """A direct split launch made on a second stream goes to that stream, with that stream's
+    own workspace, and gives the bits of the first call."""
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    A, B, C = operands(16, 264, 2048, torch.bfloat16, "NT")
+    assert triton_impl.configuration(16, 264, 2048, torch.bfloat16)["SPLITS"] > 1
+    first = C.clone()
+    triton_impl.gemm(ALPHA, A, B, BETA, first)
+    streams = record_direct_launches()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = C.clone()
+        triton_impl.gemm(ALPHA, A, B, BETA, again)
+    side.synchronize()
+    assert streams == [side.cuda_stream]
+    assert (torch.cuda.current_device(), side.cuda_stream) in triton_impl.SPLIT_WORKSPACES
+    assert_same_bits(again, first, "on a second stream")
 
 
 def alias(t):
@@ -1016,7 +1253,7 @@ def test_triton_decode_against_float64(m, n, k):
         again = C.clone()
         triton_impl.gemm(ALPHA, A, B, BETA, again)
         assert_same_bits(again, first, f"run {run + 2}")
-    for counters in triton_impl.TILE_COUNTERS.values():
+    for _, counters in triton_impl.SPLIT_WORKSPACES.values():
         assert counters.count_nonzero() == 0, "a tile's count was not set back to 0"
 
 

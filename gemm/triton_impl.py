@@ -28,7 +28,9 @@ gemm_tma_kernel  persistent: each program walks units p, p + programs, ...; A an
 `choose_path` sends tensor-core work to the TMA kernel when TMA can fetch both operands, through
 an aligned copy of the operand(s) it cannot fetch when the copy is cheap against the product
 ("staged"), and everything else to the pointer kernel. No addition depends on timing: the same
-inputs give the same bits on every run.
+inputs give the same bits on every run. `launch` starts either kernel: through kernel[grid] at
+the first call of a specialisation, straight to the compiled kernel after (README.md, "The
+host path").
 """
 
 import contextlib
@@ -38,6 +40,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reference import check_operands, to_float32
@@ -326,11 +332,11 @@ def tma_operand(t, block_rows, block_cols):
     so it is not kept between calls (that would keep the tensor's memory alive), and Triton
     3.6's launcher encodes the CUtensorMap from it on every launch."""
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.padding = t, "zero"
-    if t.stride(1) == 1:
-        desc.shape, desc.strides, desc.block_shape = t.shape, t.stride(), [block_rows, block_cols]
+    desc.base, desc.padding, strides = t, "zero", t.stride()
+    if strides[1] == 1:
+        desc.shape, desc.strides, desc.block_shape = t.shape, strides, [block_rows, block_cols]
         return desc, False
-    desc.shape, desc.strides = t.shape[::-1], t.stride()[::-1]
+    desc.shape, desc.strides = t.shape[::-1], strides[::-1]
     desc.block_shape = [block_cols, block_rows]
     return desc, True
 
@@ -369,25 +375,32 @@ def choose_path(A, B, tensor_cores):
     return "pointer"
 
 
-# (device index, stream) -> int32 zeros, a count per tile for split launches on that stream.
-TILE_COUNTERS = {}
+# (device index, stream) -> (float32 partial tiles, int32 zeroed counts) of split launches.
+SPLIT_WORKSPACES = {}
 
 
-def tile_counters(device, tiles):
-    """At least `tiles` int32 zeros for a split launch's counts, which the launch leaves zeroed
-    (the last program of each tile sets its count back to 0). Launches on one stream run one
-    after another, so one buffer per device and stream serves them all, and launches on other
-    streams cannot disturb it. While a CUDA graph is captured, the call gets its own zeroed
-    buffer from the graph's pool, the zeroing captured with it (a cached buffer created then
-    would only be zeroed on replay); the interpreter gets its own too."""
+def split_workspace(device, partial_elements, tiles):
+    """(at least `partial_elements` float32 for a split launch's partial tiles, at least `tiles`
+    int32 zeros for its counts), which the launch leaves zeroed (the last program of each tile
+    sets its count back to 0). Launches on one stream run one after another, so one workspace
+    per device and stream serves them all, grown when a launch needs more, and launches on
+    other streams cannot disturb it. While a CUDA graph is captured, the call gets its own from
+    the graph's pool, the zeroing captured with it (a cached one created then would only be
+    zeroed on replay); the interpreter gets its own too."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    key = (device.index, triton.runtime.driver.active.get_current_stream(device.index))
-    counters = TILE_COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, SM_COUNT), dtype=torch.int32, device=device)
-        TILE_COUNTERS[key] = counters
-    return counters
+        return (
+            torch.empty(partial_elements, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device),
+        )
+    key = (device.index, driver.active.get_current_stream(device.index))
+    workspace = SPLIT_WORKSPACES.get(key)
+    if workspace is None or workspace[0].numel() < partial_elements or workspace[1].numel() < tiles:
+        workspace = (
+            torch.empty(partial_elements, dtype=torch.float32, device=device),
+            torch.zeros(max(tiles, SM_COUNT), dtype=torch.int32, device=device),
+        )
+        SPLIT_WORKSPACES[key] = workspace
+    return workspace
 
 
 # Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
@@ -442,6 +455,72 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call (README.md, "The
+# host path"): it binds each argument by name, asks each what the compiled code depends on and
+# builds a string key to find the compiled kernel. `launch` keeps the compiled kernel Triton
+# returns at the first call of a specialisation and hands later calls straight to its launcher.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, programs, args, constants, specialised):
+    """kernel[(programs,)](*args, **constants), where `specialised` is specialisation() of the
+    ints and the caller's tensors among `args`; what Triton makes of the others the constants
+    and C's dtype fix (a float is float32, None a constant, a descriptor its dtype and block
+    shape, the split workspace a whole allocation, aligned). The first call of each key goes
+    through Triton, which compiles the kernel or finds it compiled; later ones call its launcher
+    on the current stream, as Triton's last step does. Triton's own path stays for whatever needs
+    it: the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a
+    profiler), a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[(programs,)](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[(programs,)](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        programs, 1, 1, driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     check_operands(alpha, A, B, beta, C)
     device = on_device_of(C)
@@ -453,19 +532,19 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
     read_ab, read_c = alpha32 != 0.0 and k > 0, beta32 != 0.0
     config = configuration(m, n, k if read_ab else 0, A.dtype, tf32)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    units = ceil_div(m, block_m) * ceil_div(n, block_n) * config["SPLITS"]
+    splits = config["SPLITS"]
+    units = ceil_div(m, block_m) * ceil_div(n, block_n) * splits
     path = choose_path(A, B, read_ab and on_tensor_cores(A.dtype, tf32))
     with device:
         partials = counters = None  # one range of k: the kernels touch neither
-        if config["SPLITS"] > 1:
-            partials = torch.empty(units * block_m * block_n, dtype=torch.float32, device=C.device)
-            counters = tile_counters(C.device, units // config["SPLITS"])
+        if splits > 1:
+            tiles = units // splits
+            partials, counters = split_workspace(C.device, units * block_m * block_n, tiles)
         if path == "pointer":
-            gemm_kernel[(units,)](
-                A, B, C, partials, counters, m, n, k, A.stride(0), A.stride(1), B.stride(0),
-                B.stride(1), C.stride(0), C.stride(1), alpha32, beta32, READ_AB=read_ab,
-                READ_C=read_c, **config,
-            )  # fmt: skip
+            ints = (m, n, k, *A.stride(), *B.stride(), *C.stride())
+            args = (A, B, C, partials, counters, *ints, alpha32, beta32)
+            flags = {"READ_AB": read_ab, "READ_C": read_c}
+            launch(gemm_kernel, units, args, {**flags, **config}, specialisation(ints, (A, B, C)))
             return C
         if path == "staged":
             A, B = (t if tma_ready(t) else aligned_copy(t) for t in (A, B))
@@ -473,10 +552,9 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         b_desc, b_transposed = tma_operand(B, block_k, block_n)
         # One unit a program for a split launch, whose programs run in one or two waves; else
         # one program per SM, persistent.
-        programs = units if config["SPLITS"] > 1 else min(units, SM_COUNT)
-        gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, C, partials, counters, m, n, k, C.stride(0), C.stride(1), alpha32,
-            beta32, A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, READ_C=read_c,
-            **config,
-        )  # fmt: skip
+        programs = units if splits > 1 else min(units, SM_COUNT)
+        ints = (m, n, k, *C.stride())
+        args = (a_desc, b_desc, C, partials, counters, *ints, alpha32, beta32)
+        flags = {"A_TRANSPOSED": a_transposed, "B_TRANSPOSED": b_transposed, "READ_C": read_c}
+        launch(gemm_tma_kernel, programs, args, {**flags, **config}, specialisation(ints, (C,)))
     return C
