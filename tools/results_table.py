@@ -30,6 +30,16 @@ KERNELS = {
     "geru": ("rank-1 update", "A = A + alpha x y^T", "2mn", "2mn + m + n"),
     "gemm": ("matrix product", "C = alpha A B + beta C", "2mnk", "mk + kn + 2mn"),
 }
+# Transformer modules, in transformer/<name>/: forward and backward. M rows of N elements; data in
+# elements, forward + backward (the backward of softmax needs y, of the norms x and the statistics).
+MODULES = {
+    "softmax": ("normalised exponentials of each row", "y = exp(x - max x) / sum exp(x - max x)",
+                "5MN + 4MN", "2MN + 3MN"),
+    "rmsnorm": ("root-mean-square norm, scaled", "y = x w / sqrt(mean x^2 + eps)",
+                "4MN + 8MN", "2MN + 3MN"),
+    "layernorm": ("mean and variance norm, scaled and shifted",
+                  "y = (x - mean x) w / sqrt(var x + eps) + b", "6MN + 10MN", "2MN + 3MN"),
+}  # fmt: skip
 FILES = {"Python": "reference.py", "PyTorch": "torch_impl.py", "Triton": "triton_impl.py"}
 FILES["CuTe"] = "cute_impl.py"
 IMPL_OF = {"PyTorch": "torch", "Triton": "triton", "CuTe": "cute"}
@@ -191,51 +201,90 @@ def folder_table(results):
         return compute_table(results)
     rows, size = largest_rows(results)
     layout = "layout" in rows[0]  # matrix kernels report row- and column-major A separately
+    passes = "pass" in rows[0]  # transformer modules: forward, and forward + backward
     lines = [
         f"{results['device']}, {size}; copy ceiling measured in the same run: "
         f"{results['ceilings']['copy_GBps']:.0f} GB/s.",
         "",
         "| implementation | dtype |"
         + (" A |" if layout else "")
+        + (" pass |" if passes else "")
         + " time (us) | GB/s | % of copy | vs torch |",
-        "| --- | --- |" + (" --- |" if layout else "") + " --- | --- | --- | --- |",
+        "| --- | --- |" + (" --- |" * (layout + passes)) + " --- | --- | --- | --- |",
     ]
     for row in rows:
+        vs_library = "" if row["vs_library"] is None else f"{row['vs_library']:.2f}"
         lines.append(
             f"| {row['impl']} | {row['dtype']} |"
             + (f" {row['layout']}-major |" if layout else "")
+            + (f" {row['pass']} |" if passes else "")
             + f" {row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | "
-            f"{row['pct_of_ceiling']:.1f} | {row['vs_library']:.2f} |"
+            f"{row['pct_of_ceiling']:.1f} | {vs_library} |"
         )
-    lines += model_size_table(results) + per_call_table(results)
+    lines += model_size_table(results) + module_shape_table(results) + per_call_table(results)
     lines += ["", "![GB/s against n](perf.png)"]
     return "\n".join(lines)
 
 
-def step_table(results):
+def module_shape_table(results):
+    """Transformer modules: % of copy bandwidth of every implementation at every timed shape,
+    one line per dtype, shape and pass."""
+    rows = [row for row in timed_rows(results) if "pass" in row]
+    if not rows:
+        return []
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    lines = [
+        "",
+        "Every timed shape, % of copy bandwidth (minimal bytes):",
+        "",
+        "| dtype | M x N | pass | " + " | ".join(impls) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in impls) + " |",
+    ]
+    for dtype, shape, pass_name in dict.fromkeys(
+        (r["dtype"], tuple(r["shape"]), r["pass"]) for r in rows
+    ):
+        pct = {
+            r["impl"]: r["pct_of_ceiling"]
+            for r in rows
+            if (r["dtype"], tuple(r["shape"]), r["pass"]) == (dtype, shape, pass_name)
+        }
+        cells = [f"{pct[i]:.0f}" if i in pct else "" for i in impls]
+        lines.append(f"| {dtype} | {size_of(shape)} | {pass_name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def step_table(results, folder):
     """A lesson in steps (cute_1_*.py, cute_2_*.py, ...): what each step gained, from the rows
     cute.step1, cute.step2, ... timed beside the library op in the same rounds. None if the
     folder has no steps."""
     steps = sorted({r["impl"] for r in timed_rows(results) if r["impl"].startswith("cute.step")})
     if not steps:
         return None
+    # When the last step is not timed under its own name, `cute` (the dispatcher) stands for it.
+    last = len(list(folder.glob("cute_[0-9]_*.py")))
+    if f"cute.step{last}" not in steps:
+        steps.append("cute")
     unit = "TFLOPs" if is_compute_bound(results) else "GBps"
     lines = [
         f"{unit.replace('Bps', 'B/s').replace('FLOPs', 'FLOP/s')} (% of the library op's speed), "
         "each step timed in the same rounds as the library op:",
         "",
-        "| dtype | size | library | " + " | ".join(steps) + " |",
+        "| dtype | size | library | "
+        + " | ".join(f"cute.step{last}" if s == "cute" else s for s in steps)
+        + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in steps) + " |",
     ]
+    # Modules: the forward rows (their steps are forward kernels).
+    rows = [r for r in timed_rows(results) if r.get("pass", "fwd") == "fwd"]
     cases = {
         (r["dtype"], tuple(r["shape"]), r.get("layout"))
-        for r in timed_rows(results)
-        if r["impl"] in steps
+        for r in rows
+        if r["impl"].startswith("cute.step")
     }
     for dtype, shape, layout in sorted(cases):
         of_case = {
             r["impl"]: r
-            for r in timed_rows(results)
+            for r in rows
             if (r["dtype"], tuple(r["shape"]), r.get("layout")) == (dtype, shape, layout)
         }
         cells = [
@@ -276,11 +325,14 @@ def summary(results):
         return "% of cuBLAS: " + "; ".join(parts)
     rows, size = largest_rows(results)
     parts = []
-    for case in dict.fromkeys((row["dtype"], row.get("layout")) for row in rows):
+    for case in dict.fromkeys((row["dtype"], row.get("layout") or row.get("pass")) for row in rows):
         pct = {
-            r["impl"]: r["pct_of_ceiling"] for r in rows if (r["dtype"], r.get("layout")) == case
+            r["impl"]: r["pct_of_ceiling"]
+            for r in rows
+            if (r["dtype"], r.get("layout") or r.get("pass")) == case
         }
-        label = case[0] if case[1] is None else f"{case[0]} {case[1]}-major"
+        label = case[0] if case[1] is None else f"{case[0]} {case[1]}"
+        label += "-major" if rows[0].get("layout") else ""
         kernels = [f"{impl} {pct[impl]:.0f}%" for impl in ("triton", "cute") if impl in pct]
         parts.append(f"{label}: " + ", ".join(kernels))
     return f"{size}: " + "; ".join(parts)
@@ -290,51 +342,58 @@ def current_rows():
     """{kernel name: its row} of the kernels table in the top-level README, as it stands."""
     rows = {}
     for line in (ROOT / "README.md").read_text().splitlines():
-        found = re.match(r"\| \[(\w+)\]\(\1/README\.md\) \|", line)
+        found = re.match(r"\| \[(\w+)\]\((?:transformer/)?\1/README\.md\) \|", line)
         if found:
             rows[found.group(1)] = line
     return rows
 
 
+def kernel_row(logs, path, description, equation, flops, data, kept):
+    """The top-level README's row of the folder at `path` (relative to the root), with the
+    folder's results.json, perf.png and README tables updated from LOGS on the way."""
+    name, folder, log = Path(path).name, ROOT / path, path.replace("/", "_")
+    results_file, test_log = logs / f"{log}.results.json", logs / f"{log}.test.log"
+    head = f"| [{name}]({path}/README.md) | {description} | `{equation}` | {flops} | {data} | "
+    if not results_file.exists() or not test_log.exists():
+        if name in kept:
+            print(f"{path}: no results or test log in {logs}; its row is kept as it was")
+            return kept[name]
+        print(f"{path}: no results or test log in {logs}; listed as not yet run on the H200")
+        return head + f"[✓]({path}/reference.py) | | | | [test.py]({path}/test.py) | not yet run |"
+    shutil.copy(results_file, folder / "results.json")
+    shutil.copy(logs / f"{log}.perf.png", folder / "perf.png")
+    results = json.loads(results_file.read_text())
+    replace_block(folder / "README.md", folder_table(results))
+    steps = step_table(results, folder)
+    if steps is not None:
+        replace_block(folder / "README.md", steps, "steps")
+    passing = passing_impls(test_log)
+    marks = []
+    for column, file in FILES.items():
+        passed = column == "Python" or IMPL_OF[column] in passing
+        marks.append(f"[✓]({path}/{file})" if passed else "")
+    return head + " | ".join(marks) + f" | [test.py]({path}/test.py) | {summary(results)} |"
+
+
 def main(logs):
     kept = current_rows()
-    table = [
+    columns = (
         "| Name | Description | Equation | Flops | Data | Python | PyTorch | Triton | CuTe | Test "
-        "| H200: % of copy bandwidth at the largest size (gemm: % of cuBLAS) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    )
+    rule = "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    table = [
+        columns + "| H200: % of copy bandwidth at the largest size (gemm: % of cuBLAS) |",
+        rule,
     ]
-    for name, (description, equation, flops, data) in KERNELS.items():
-        folder = ROOT / name
-        results_file, test_log = logs / f"{name}.results.json", logs / f"{name}.test.log"
-        if not results_file.exists() or not test_log.exists():
-            if name in kept:
-                print(f"{name}: no results or test log in {logs}; its row is kept as it was")
-                table.append(kept[name])
-                continue
-            print(f"{name}: no results or test log in {logs}; listed as not yet run on the H200")
-            table.append(
-                f"| [{name}]({name}/README.md) | {description} | `{equation}` | {flops} | {data} | "
-                f"[✓]({name}/reference.py) | | | | [test.py]({name}/test.py) | not yet run |"
-            )
-            continue
-        shutil.copy(results_file, folder / "results.json")
-        shutil.copy(logs / f"{name}.perf.png", folder / "perf.png")
-        results = json.loads(results_file.read_text())
-        replace_block(folder / "README.md", folder_table(results))
-        steps = step_table(results)
-        if steps is not None:
-            replace_block(folder / "README.md", steps, "steps")
-        passing = passing_impls(test_log)
-        marks = []
-        for column, file in FILES.items():
-            passed = column == "Python" or IMPL_OF[column] in passing
-            marks.append(f"[✓]({name}/{file})" if passed else "")
-        table.append(
-            f"| [{name}]({name}/README.md) | {description} | `{equation}` | {flops} | {data} | "
-            + " | ".join(marks)
-            + f" | [test.py]({name}/test.py) | {summary(results)} |"
-        )
+    table += [kernel_row(logs, name, *about, kept) for name, about in KERNELS.items()]
     replace_block(ROOT / "README.md", "\n".join(table))
+    modules = [columns + "| H200: % of copy bandwidth at the largest size, fwd and fwd+bwd |", rule]
+    modules += [
+        kernel_row(logs, f"transformer/{name}", *about, kept)
+        for name, about in MODULES.items()
+        if (ROOT / "transformer" / name).is_dir()  # a module lands with its folder
+    ]
+    replace_block(ROOT / "README.md", "\n".join(modules), "transformer")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@
     python bench.py --quick    the two large shapes only, no files (the GPU probe)
 
 Minimal traffic: the forward reads x and writes y (2MN elements); the backward reads y and dy
-and writes dx (3MN), so fwd+bwd counts 5MN. Times are medians of `triton.testing.do_bench`
-(the L2 cache flushed before each call), implementations interleaved shape by shape. The
-ceiling is a 1 GiB device-to-device copy of the same run. The library op is torch.softmax
-(fwd+bwd: its autograd). Anchors, when importable: torch.compile of torch_impl (its result
-checked first), Liger's and QuACK's softmax; a missing one prints why.
+and writes dx (3MN), so fwd+bwd counts 5MN. Times are medians over ROUNDS rounds of
+`triton.testing.do_bench` (the L2 cache flushed before each call), the implementations in a
+rotated order each round (the clock follows power and temperature, so a fixed order favours
+whichever runs first). Ceilings of the same run: a 1 GiB device-to-device copy, and the per-call
+floors (torch's `y.copy_(x)` and a bare Triton launch on 4096 elements). The library op is
+torch.softmax (fwd+bwd: its autograd). Where CuTe's step 2 (the cluster forward) takes a shape,
+step 1 (two passes) is timed beside it as `cute.step1`. Anchors, when importable: torch.compile
+of torch_impl (its result checked first), Liger's and QuACK's softmax; a missing one prints why.
 """
 
 import json
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import torch_impl
 import triton_impl
@@ -27,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 SHAPES = [(32768, 8192), (8192, 131072), (4096, 32000), (1, 32000), (1, 131072), (32768, 1024)]
 QUICK_SHAPES = SHAPES[:2]
 DTYPES = [torch.bfloat16, torch.float32]
-TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows
+TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows; rounds of every timing
 
 
 def implementations():
@@ -41,6 +45,7 @@ def implementations():
         import cute_impl
 
         impls["cute"] = cute_impl.softmax
+        impls["cute.step1"] = two_pass_only(cute_impl)
     except ImportError as error:
         print(f"cute is not measured: {error}")
     impls["compile"] = torch.compile(torch_impl.softmax)
@@ -59,14 +64,54 @@ def implementations():
     return impls
 
 
+def two_pass_only(cute_impl):
+    """CuTe's softmax with step 2 (the cluster forward) switched off: step 1's two passes."""
+    choose = cute_impl.cluster_blocks
+
+    def softmax(x):
+        cute_impl.cluster_blocks = lambda direction, n: 0
+        try:
+            return cute_impl.softmax(x)
+        finally:
+            cute_impl.cluster_blocks = choose
+
+    softmax.takes = lambda n: choose("forward", n) > 0  # timed only where step 2 differs
+    return softmax
+
+
 def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
     return 2 * source.nbytes / median_ms(lambda: target.copy_(source)) / 1e6
+
+
+@triton.jit
+def bare_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def call_floors_us():
+    """(torch's y.copy_(x), a bare Triton launch) on 4096 float32, us a back-to-back call."""
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    return tuple(
+        wall_us(fn) for fn in (lambda: y.copy_(x), lambda: bare_copy[(4,)](x, y, 4096, BLOCK=1024))
+    )
+
+
+def wall_us(fn):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
 
 
 def timed_passes(forward, x, dy):
@@ -88,17 +133,11 @@ def timed_passes(forward, x, dy):
 def per_call_rows(impls, dtype):
     """host_us: wall time of back-to-back forward calls at TINY_SHAPE, rounds rotated."""
     x = torch.randn(*TINY_SHAPE, device="cuda", dtype=dtype)
-    names = list(impls)
+    names = [name for name in impls if not hasattr(impls[name], "takes")]
     samples = {name: [] for name in names}
     for shift in range(ROUNDS):
         for name in names[shift:] + names[:shift]:
-            impls[name](x)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                impls[name](x)
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+            samples[name].append(wall_us(lambda name=name: impls[name](x)))
     host = {name: statistics.median(us) for name, us in samples.items()}
     return [
         {"impl": impl, "pass": "fwd", "dtype": str(dtype)[6:], "shape": list(TINY_SHAPE),
@@ -112,13 +151,22 @@ def shape_rows(impls, dtype, shape, ceiling):
     m, n = shape
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     dy = torch.randn(m, n, device="cuda", dtype=dtype)
-    times = {}
-    for name, forward in impls.items():
-        try:
-            times[name] = timed_passes(forward, x, dy)
-        except Exception as error:  # an anchor that refuses a shape (Liger past N = 65536)
-            print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
-                  f"{str(error)[:80]})")  # fmt: skip
+    names = [name for name in impls if getattr(impls[name], "takes", lambda n: True)(n)]
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            if name not in samples:
+                continue  # refused the shape in an earlier round
+            try:
+                samples[name].append(timed_passes(impls[name], x, dy))
+            except Exception as error:  # an anchor that refuses a shape (Liger past N = 65536)
+                print(f"{name:10s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
+                      f"{str(error)[:80]})")  # fmt: skip
+                del samples[name]
+    times = {
+        name: tuple(statistics.median(t[i] for t in runs) for i in range(2))
+        for name, runs in samples.items()
+    }
     rows = []
     for name, (fwd_ms, both_ms) in times.items():
         for pass_name, ms, elements in (("fwd", fwd_ms, 2), ("fwd+bwd", both_ms, 5)):
@@ -129,7 +177,7 @@ def shape_rows(impls, dtype, shape, ceiling):
                  "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
                  "vs_library": library / ms if library else None}
             )  # fmt: skip
-            print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
+            print(f"{name:10s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
                   f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
     return rows
 
@@ -163,16 +211,20 @@ def plot(rows, path):
 
 def main(quick=False):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
+    torch_call_us, triton_launch_us = call_floors_us()
+    ceilings = {"copy_GBps": ceiling, "torch_call_us": torch_call_us,
+                "triton_launch_us": triton_launch_us}  # fmt: skip
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceilings, "rows": rows}
     for dtype in DTYPES:
         if not quick:
             rows += per_call_rows(impls, dtype)
         for shape in QUICK_SHAPES if quick else SHAPES:
             rows += shape_rows(impls, dtype, shape, ceiling)
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    results = {"device": torch.cuda.get_device_name(), "ceilings": {"copy_GBps": ceiling},
-               "rows": rows}  # fmt: skip
+            if not quick:  # written as it grows: a run stopped part-way keeps what it measured
+                (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"copy ceiling {ceiling:.0f} GB/s; per call: torch {torch_call_us:.1f} us, "
+          f"Triton launch {triton_launch_us:.1f} us")  # fmt: skip
     if not quick:
-        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         plot(rows, HERE / "perf.png")
     return results
 
