@@ -373,7 +373,7 @@ def column_major_kernel(
             )  # fmt: skip
         # Register k holds row k mod v of the thread's vector and its column k div v, and adds
         # into lane k mod 16: the lanes hold each of the v rows in 16 / v column slots.
-        partials = cute.make_tensor(
+        thread_sums = cute.make_tensor(
             cute.arch.alloc_smem(cutlass.Float32, block_rows * THREADS_ACROSS_COLUMNS),
             cute.make_layout((block_rows, THREADS_ACROSS_COLUMNS), stride=(1, block_rows)),
         )
@@ -381,10 +381,10 @@ def column_major_kernel(
         column_thread = thread // THREADS_DOWN_A_COLUMN[width]
         for r in cutlass.range_constexpr(v):
             slots = [lanes[r + v * c] for c in range(LANES_PER_THREAD // v)]
-            partials[row_thread * v + r, column_thread] = pairwise_sum(slots)
+            thread_sums[row_thread * v + r, column_thread] = pairwise_sum(slots)
         cute.arch.sync_threads()  # all partial sums of every row are in shared memory
         if thread < block_rows:
-            row_sum = pairwise_sum([partials[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
+            row_sum = pairwise_sum([thread_sums[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
     row = block * block_rows + thread
     if thread < block_rows and row < m:
         store_row(y, partials, row, row_sum, alpha, beta, read_a, read_y)

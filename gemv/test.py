@@ -973,9 +973,13 @@ def test_cute_ptx(layout, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cute_split_ptx(layout, dtype):
     """A split build compiles for sm_90a to two kernels, the parts' one with the unsplit
-    build's 128-bit loads of A, and sum_splits_kernel; the unsplit build has one."""
+    build's 128-bit loads of A, and sum_splits_kernel; the unsplit build has one. Every kernel
+    stores to global memory (y, or the parts' row sums): a kernel that keeps its row sums in
+    shared memory would leave y unwritten, which no CPU run would see."""
     unsplit, split = (cute_impl.ptx_of(dtype, layout, True, splits=s) for s in (1, 4))
     assert unsplit.count(".entry") == 1 and split.count(".entry") == 2
+    for kernel in [*unsplit.split(".entry")[1:], *split.split(".entry")[1:]]:
+        assert "st.global" in kernel, kernel.split("(")[0]
     assert "sum_splits_kernel" in split and "sum_splits_kernel" not in unsplit
     assert split.count(".v4") == unsplit.count(".v4")
 
