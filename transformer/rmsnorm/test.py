@@ -22,6 +22,7 @@ if not ON_GPU:
 
 import reference
 import torch_impl
+import triton_impl
 
 try:
     from common.tolerance import (
@@ -43,7 +44,7 @@ except ImportError as error:  # the folder was copied on its own, without common
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch"]
+IMPLS = ["torch", "triton"]
 # (M, N): no rows, 1, primes, 2**k +- 1 and block edges.
 SHAPES = [
     (0, 5),
@@ -67,7 +68,7 @@ TORCH_RSQRT = 5 * U32
 
 
 def module(name):
-    return {"reference": reference, "torch": torch_impl}[name]
+    return {"reference": reference, "torch": torch_impl, "triton": triton_impl}[name]
 
 
 def implementation(name):
@@ -114,13 +115,14 @@ def forward_bounds(impl, h, weight, eps, exact_y, exact_rstd):
     return y_bound.reshape(exact_y.shape), (rho.squeeze(-1) * rows(exact_rstd[..., None])[:, 0])
 
 
-def backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dweight, fused=False):
+def backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dweight, dresidual_out=None):
     """README.md's backward bounds (dx, dweight), r = rstd and xhat = x r taken as exact:
 
     c = sum g_j xhat_j, C = sum |g_j xhat_j|; K = the backward path + 3 (x r, dy w, product)
     E = gamma_K C / N + n tiny                                  (mean(g xhat)'s error)
     |dx_hat - dx| <= gamma_2 |dx| + (1 + gamma_2) r (u |g| + gamma_3 |xhat c| / N
-                     + (1 + gamma_3) |xhat| E) + tiny terms; fused: u |dx| + (1 + u)(that)
+                     + (1 + gamma_3) |xhat| E) + tiny terms, dx the norm's part; fused, the
+                     sum's rounding: u |dx + dresidual_out| + (1 + u)(that)
     |dw_hat - dw| <= gamma_(P + 2) sum_rows |dy xhat| + m tiny, then the stores."""
     m, n = math.prod(x.shape[:-1]), x.shape[-1]
     forward_k, backward_k, dweight_k = paths(impl, m, n, x.dtype)
@@ -133,10 +135,11 @@ def backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dweight, fused=Fa
         + n * TINY32
     )
     dx = rows(exact_dx)
+    dx_norm = dx if dresidual_out is None else dx - rows(dresidual_out)
     g2, g3 = gamma(2, U32), gamma(3, U32)
     inner = U32 * g.abs() + g3 * (xhat * c).abs() / max(n, 1) + (1 + g3) * xhat.abs() * mean_error
-    bound = g2 * dx.abs() + (1 + g2) * r * inner + 4 * (1 + r) * (1 + w.abs()) * TINY32
-    if fused:
+    bound = g2 * dx_norm.abs() + (1 + g2) * r * inner + 4 * (1 + r) * (1 + w.abs()) * TINY32
+    if dresidual_out is not None:
         bound = U32 * dx.abs() + (1 + U32) * bound
     u_s = store_roundoff(x.dtype)
     dx_bound = u_s * dx.abs() + (1 + u_s) * bound + underflow(x.dtype)
@@ -188,7 +191,7 @@ def check_backward(impl, x, weight, rstd, dy, dresidual_out=None, dx=None, dweig
     got = implementation(impl).rmsnorm_backward(x, weight, rstd, dy, dx, dweight, dresidual_out)
     assert got[0] is dx and got[1] is dweight
     dx_bound, dw_bound = backward_bounds(
-        impl, x, weight, rstd, dy, exact_dx, exact_dw, fused=dresidual_out is not None
+        impl, x, weight, rstd, dy, exact_dx, exact_dw, dresidual_out
     )
     assert_within_bound(dx, exact_dx, dx_bound, f"{impl} dx")
     assert_within_bound(dweight, exact_dw, dw_bound, f"{impl} dweight")
@@ -517,7 +520,7 @@ def test_autograd_matches_reference_backward(impl, entry, fused):
         h.detach().cpu(), weight.detach().cpu(), rstd, dy.cpu(), None, None, *extra
     )
     dx_bound, dw_bound = backward_bounds(
-        impl, h.detach(), weight.detach(), rstd, dy, exact_dx, exact_dw, fused
+        impl, h.detach(), weight.detach(), rstd, dy, exact_dx, exact_dw, dh if fused else None
     )
     # The kernel's own rstd differs from the exact one by the forward's rho: widen by it.
     rho = forward_bounds(impl, h.detach(), weight.detach(), EPS, exact_dx, rstd.double())[1]
@@ -591,6 +594,53 @@ def test_torch_compile_fullgraph(impl):
         assert_same_bits(compiled_out.detach(), eager_out.detach())
         for p, g in zip(model.parameters(), eager_grads, strict=True):
             assert_same_bits(p.grad, g)
+
+
+# (3) Triton: the looped and columns kernels, the groups, and the dispatch ------------------
+
+
+@pytest.fixture
+def small_triton_limits(monkeypatch):
+    """Register limits of 32, chunks of 16 lanes and at most 4 groups: short rows take the
+    looped forward and the dots-then-columns backward, the paths the H200 takes past
+    ROW_BLOCK_MAX and BACKWARD_ROW_BLOCK_MAX, at sizes the interpreter runs."""
+    for name, value in (("ROW_BLOCK_MAX", 32), ("BACKWARD_ROW_BLOCK_MAX", 32), ("CHUNK", 16),
+                        ("GROUPS_MAX", 4)):  # fmt: skip
+        monkeypatch.setattr(triton_impl, name, value)
+    triton_impl.rows_launch.cache_clear()
+    triton_impl.groups_of.cache_clear()
+    yield
+    triton_impl.rows_launch.cache_clear()
+    triton_impl.groups_of.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m, n", [(3, 33), (9, 100), (2, 257)], ids=str)
+def test_triton_looped_kernels(dtype, m, n, small_triton_limits):
+    """Several chunks per row, rows split into groups of several rows, fused and not."""
+    x, residual, dy, dh = (random_rows(m, n, dtype) for _ in range(4))
+    weight = random_weight(n, dtype)
+    forward_then_backward("triton", x, weight, dy)
+    forward_then_backward("triton", x, weight, dy, residual, dh)
+    assert triton_impl.forward_path(n, dtype) == -(-n // 16) - 1 + 4 + 1
+
+
+def test_triton_dispatch():
+    """Rows up to the register limits go to the rows kernels, several short rows a program;
+    the backward's groups: at most GROUPS_MAX (the columns path: GROUPS_MAX per CHUNK)."""
+    assert triton_impl.rows_launch(1000, 1, 32768) == (1024, 1, 4)
+    assert triton_impl.rows_launch(3, 100, 32768)[0] == 4  # never more rows than m needs
+    assert triton_impl.rows_launch(8, 32768, 32768) == (1, 32768, 32)
+    assert triton_impl.rows_launch(8, 32769, 32768) is None
+    assert triton_impl.groups_of(32768, 4096) == (64, 512)
+    assert triton_impl.groups_of(5, 4096) == (1, 5)
+    assert triton_impl.groups_of(100, 65536) == (4, 25)  # 16 chunks: 32 groups at most
+
+
+def test_triton_long_rows_at_real_size():
+    """N = 40000 > BACKWARD_ROW_BLOCK_MAX and > ROW_BLOCK_MAX at the real constants."""
+    x, dy = random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
+    forward_then_backward("triton", x, random_weight(40000, torch.bfloat16), dy)
 
 
 # (5) GPU only --------------------------------------------------------------------------------
