@@ -40,11 +40,16 @@ except ImportError as error:  # the folder was copied on its own, without common
         f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
     ) from error
 
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
 # (1) Set-up and the bound model ----------------------------------------------------------------
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch", "triton"]
+IMPLS = ["torch", "triton", "cute"]
 # (M, N): no rows, 1, primes, 2**k +- 1 and block edges.
 SHAPES = [
     (0, 5),
@@ -68,11 +73,16 @@ TORCH_RSQRT = 5 * U32
 
 
 def module(name):
-    return {"reference": reference, "torch": torch_impl, "triton": triton_impl}[name]
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl if name == "cute" else modules[name]
 
 
 def implementation(name):
     """The implementation's module, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
     return module(name)
 
 
@@ -643,6 +653,31 @@ def test_triton_long_rows_at_real_size():
     forward_then_backward("triton", x, random_weight(40000, torch.bfloat16), dy)
 
 
+# (4) CuTe builds and PTX ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cute_ptx(direction, dtype):
+    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
+    the any-stride build), block_sum's warp shuffles, div.rn for the means, and in the forward
+    the rsqrt.approx README.md's bound counts."""
+    vector = cute_impl.ptx_of(direction, dtype, vectorized=True, fused=True)
+    scalar = cute_impl.ptx_of(direction, dtype, vectorized=False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+    assert "shfl.sync.bfly" in vector and "div.rn.f32" in vector and "div.approx" not in vector
+    if direction == "forward":
+        assert "rsqrt.approx.ftz.f32" in vector
+
+
+def test_cute_groups():
+    """At most GROUPS_MAX blocks of the columns kernel over all tiles, every row in a group."""
+    assert cute_impl is None or cute_impl.groups_of(32768, 4096, torch.bfloat16) == (64, 512)
+    assert cute_impl is None or cute_impl.groups_of(7, 65536, torch.bfloat16) == (1, 7)
+
+
 # (5) GPU only --------------------------------------------------------------------------------
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -673,6 +708,81 @@ def test_stand_ins_match_reference():
     for a, b in zip(float64_backward(x, weight, exact_rstd.float().to(DEVICE), dy), exact,
                     strict=True):  # fmt: skip
         assert (a - b).abs().max() < 1e-13
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n", [(4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)])
+def test_large_rows_against_float64(impl, dtype, m, n):
+    fns = implementation(impl)
+    x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
+    weight = random_weight(n, dtype)
+    y, rstd = fns.rmsnorm_forward(x, weight, EPS, *forward_outputs(x))
+    exact_y, exact_rstd = float64_forward(x, weight, EPS)
+    y_bound, rstd_bound = forward_bounds(impl, x, weight, EPS, exact_y, exact_rstd)
+    assert_within_bound(y, exact_y, y_bound, f"{impl} y")
+    assert_within_bound(rstd, exact_rstd, rstd_bound, f"{impl} rstd")
+    dx, dw = fns.rmsnorm_backward(
+        x, weight, rstd, dy, torch.empty_like(x), torch.empty_like(weight)
+    )
+    exact_dx, exact_dw = float64_backward(x, weight, rstd, dy)
+    dx_bound, dw_bound = backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dw)
+    assert_within_bound(dx, exact_dx, dx_bound, f"{impl} dx")
+    assert_within_bound(dw, exact_dw, dw_bound, f"{impl} dweight")
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph, the fused forward and the backward replay on fresh data with
+    the bits of an eager call: the launchers work on torch's current stream."""
+    fns = implementation(impl)
+    x, residual, dy = (random_rows(5, 4099, dtype) for _ in range(3))
+    weight = random_weight(4099, dtype)
+    outputs = forward_outputs(x, residual)
+    grads = torch.empty_like(x), torch.empty_like(weight)
+
+    def step():
+        fns.rmsnorm_forward(x, weight, EPS, *outputs[:2], residual, outputs[2])
+        fns.rmsnorm_backward(outputs[2], weight, outputs[1], dy, *grads)
+
+    step()  # compile and load first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in (x, residual, dy):
+        t.copy_(random_rows(5, 4099, dtype))
+    graph.replay()
+    replayed = [t.clone() for t in (*outputs, *grads)]
+    step()
+    torch.cuda.synchronize()
+    for a, b in zip(replayed, (*outputs, *grads), strict=True):
+        assert_same_bits(a, b)
+
+
+@gpu_only
+def test_rsqrt_error_within_common_figure():
+    """The measurement behind common/README.md's rsqrt.approx.f32 figure: tl.math.rsqrt (which
+    compiles to rsqrt.approx.ftz.f32) on every float32 in [1, 4) (two binades: the error
+    pattern repeats every factor of 4) against float64 1/sqrt."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rsqrt_kernel(a_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.math.rsqrt(tl.load(a_ptr + offs)))
+
+    start = torch.tensor(1.0).view(torch.int32).item()
+    a = torch.arange(start, start + 2**24, device=DEVICE, dtype=torch.int32).view(torch.float32)
+    out = torch.empty_like(a)
+    rsqrt_kernel[(a.numel() // 1024,)](a, out, BLOCK=1024)
+    exact = 1 / torch.sqrt(a.double())
+    relative = ((out.double() - exact) / exact).abs().max().item()
+    print(f"rsqrt.approx.f32: largest relative error {relative:.3e} = 2**{math.log2(relative):.2f}")
+    assert relative <= RSQRT
 
 
 if __name__ == "__main__":
