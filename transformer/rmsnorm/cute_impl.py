@@ -347,16 +347,19 @@ def statistic(m):
 def build(direction, dtype, weight_dtype, vectorized, fused, options=""):
     """cute.compile the forward (x, residual, w, y, rstd, h, eps) or backward (x, w, rstd, dy,
     dresidual_out, dx, mean_dots, partials, dweight, rows_per_group) launcher for TVM-FFI calls
-    on torch tensors, on torch's current stream; the operands share symbolic M and N."""
+    on torch tensors, on torch's current stream. The operands share symbolic M and N; each has
+    its own strides (TVM-FFI checks that operands sharing a symbol pass equal values)."""
     m, n = cute.sym_int64(), cute.sym_int64()
-    rows, w = operand(dtype, (m, n), vectorized), operand(weight_dtype, (n,), vectorized)
+    rows = lambda: operand(dtype, (m, n), vectorized)  # noqa: E731
+    w = lambda: operand(weight_dtype, (n,), vectorized)  # noqa: E731
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if direction == "forward":
-        operands = (rows, rows, w, rows, statistic(m), rows, 0.0)
+        operands = (rows(), rows(), w(), rows(), statistic(m), rows(), 0.0)
         launcher = launch_forward
     else:
         partials = operand(torch.float32, (cute.sym_int64(), n), vectorized)
-        operands = (rows, w, statistic(m), rows, rows, rows, statistic(m), partials, w, 1)
+        operands = (rows(), w(), statistic(m), rows(), rows(), rows(), statistic(m), partials,
+                    w(), 1)  # fmt: skip
         launcher = launch_backward
     return cute.compile(
         launcher, *operands, stream, vectorized, fused, options=f"--enable-tvm-ffi {options}"

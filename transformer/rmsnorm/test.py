@@ -7,6 +7,7 @@ read; launching them needs the GPU, and those tests say so when they skip.
 
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -265,7 +266,7 @@ def strided_operands(kind, dtype, m=5, n=1031):
     if kind == "transposed":  # a row is a column of the storage
         return (*(random_rows(n, m, dtype).t() for _ in range(2)), weight)
     if kind == "unmergeable":  # leading dims whose strides do not merge: the copy path
-        return (*(random_rows(6 * m, n, dtype).view(3, 2 * m, n)[:, ::2] for _ in range(2)), weight)
+        return (*(random_rows(6 * m, n, dtype).view(3, 2 * m, n)[:, :m] for _ in range(2)), weight)
     assert kind == "broadcast dy"
     return random_rows(m, n, dtype), random_rows(1, n, dtype).expand(m, n), weight
 
@@ -345,9 +346,11 @@ def test_in_place(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_special_values(impl, dtype):
-    """As the formula says under IEEE arithmetic, and torch agrees: a NaN makes its row NaN;
-    an inf gives rstd 0 and the row 0 but NaN at the inf; a zero row with eps = 0 has rstd inf
-    and y NaN; 1e4-sized values (squares 1e8) do not overflow."""
+    """As the formula says under IEEE arithmetic, and torch's composite rms_norm (the CPU's)
+    agrees: a NaN makes its row NaN; an inf gives rstd 0 and the row 0 but NaN at the inf; a
+    zero row with eps = 0 has rstd inf and y NaN; 1e4-sized values (squares 1e8) do not
+    overflow. (On CUDA torch's kernel takes float64 moments by Welford's update, where an inf
+    meets inf - inf: the whole row NaN; README.md, "Special values".)"""
     n = 300
     x = random_rows(5, n, dtype)
     x[0, 17] = float("nan")
@@ -356,7 +359,7 @@ def test_special_values(impl, dtype):
     x[3, :] = (1e4 * torch.randn(n, device=DEVICE)).to(dtype)
     weight = random_weight(n, dtype)
     y, rstd = check_forward(impl, x, weight, eps=0.0)
-    torch_y = torch.nn.functional.rms_norm(x.double(), (n,), weight.double(), eps=0.0)
+    torch_y = torch.nn.functional.rms_norm(x.cpu().double(), (n,), weight.cpu().double(), eps=0.0)
     assert torch.equal(y.isnan().cpu(), torch_y.isnan().cpu())
     assert rstd[2].item() == math.inf and rstd[1].item() == 0.0 and rstd[0].isnan()
     assert y[3:].isfinite().all()
@@ -653,6 +656,44 @@ def test_triton_long_rows_at_real_size():
     forward_then_backward("triton", x, random_weight(40000, torch.bfloat16), dy)
 
 
+# Builds every kernel for sm_90 as a launch at M = N = 1 specialises it: Triton compiles an int
+# argument equal to 1 in as the constant 1 (a constexpr), so n, m, the strides and the group
+# counts all arrive as constants, which the interpreter never shows. A child process: under
+# TRITON_INTERPRET=1 the kernels cannot be compiled.
+TRITON_ONES_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_impl as t
+
+def build(kernel, **constexprs):
+    kinds = {p.name: "constexpr" if p.is_constexpr or not (p.name.endswith("_ptr") or
+             p.name == "eps") else "fp32" if p.name == "eps" else "*fp32" for p in kernel.params}
+    ones = {(i,): constexprs.get(name, 1) for i, name in enumerate(kinds)
+            if kinds[name] == "constexpr"}
+    triton.compile(ASTSource(kernel, kinds, ones), target=GPUTarget("cuda", 90, 32))
+
+chunk = dict(CHUNK=t.CHUNK, LOG2_CHUNK=t.log2(t.CHUNK))
+for fused in (False, True):
+    build(t.rmsnorm_forward_rows_kernel, ROWS=1, BLOCK_N=1, LOG2_BLOCK_N=0, FUSED=fused)
+    build(t.rmsnorm_backward_rows_kernel, ROWS=1, BLOCK_N=1, LOG2_BLOCK_N=0, FUSED=fused)
+    build(t.rmsnorm_forward_looped_kernel, **chunk, FUSED=fused)
+    build(t.rmsnorm_backward_columns_kernel, CHUNK=t.CHUNK, FUSED=fused)
+build(t.rmsnorm_row_dots_kernel, **chunk)
+build(t.sum_partials_kernel, GROUPS_POW2=1, LOG2_GROUPS=0, BLOCK_N=t.SUM_BLOCK_N)
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the contract tests launch these builds at N = 1")
+def test_triton_builds_with_every_int_one():
+    """Each kernel compiles for sm_90 with every int argument the constant 1 (N = 1 once
+    failed there: n.to() of a constexpr)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", TRITON_ONES_SCRIPT], cwd=HERE, env=env,
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+
+
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
@@ -676,6 +717,60 @@ def test_cute_groups():
     """At most GROUPS_MAX blocks of the columns kernel over all tiles, every row in a group."""
     assert cute_impl is None or cute_impl.groups_of(32768, 4096, torch.bfloat16) == (64, 512)
     assert cute_impl is None or cute_impl.groups_of(7, 65536, torch.bfloat16) == (1, 7)
+
+
+def cuda_labelled(t):
+    """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
+    CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
+    only the launch after the checks needs the GPU."""
+    import ctypes
+
+    import tvm_ffi
+
+    class Relabelled:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, *args, **kwargs):
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            header = get(capsule, b"dltensor")  # DLTensor: void *data, then the device type
+            ctypes.c_int32.from_address(header + ctypes.sizeof(ctypes.c_void_p)).value = 2
+            return capsule
+
+    return tvm_ffi.from_dlpack(Relabelled())
+
+
+def entry_operands(direction, vectorized, m=5, n=1024):
+    """CPU operands for a float32 build, no two (M, N) or (N,) ones laid out alike: slices of
+    wider rows, a column step and a broadcast where the build takes any stride; row slices whose
+    rows stay whole 16-byte vectors where it is the vector build."""
+    wide = (lambda: torch.randn(m, n + 16)[:, :n]) if vectorized else (
+        lambda: torch.randn(m, n + 13)[:, 3 : 3 + n])  # fmt: skip
+    step = (lambda k: torch.randn(k)) if vectorized else (lambda k: torch.randn(2 * k)[::2])
+    stat = lambda: torch.empty(m, 3)[:, 1]  # noqa: E731
+    if direction == "forward":  # x, residual, w, y, rstd, h, eps
+        return wide(), torch.randn(m, n), step(n), torch.empty(m, n), stat(), wide(), 1e-6
+    dy = torch.randn(m, n + 8)[:, :n] if vectorized else torch.randn(1, n).expand(m, n)
+    partials = torch.empty(1, n + 8)[:, :n]
+    return (wide(), torch.randn(n), stat(), dy, torch.randn(m, n), torch.empty(m, n), stat(),
+            partials, step(n), m)  # fmt: skip
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU,
+                    reason="CPU only (the CuTe DSL installed): on a GPU the contract tests call "
+                    "these builds")  # fmt: skip
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("vectorized", [False, True], ids=["any stride", "vector"])
+def test_cute_entry_takes_each_operands_layout(direction, vectorized):
+    """TVM-FFI checks every operand before the launch; operands in unlike layouts pass those
+    checks and reach the launch, which fails here without a driver (when operands shared one
+    fake tensor's stride symbols, a ValueError 'Mismatched res.strides[0]', on the H200 too)."""
+    kernel = cute_impl.compile_kernel(direction, torch.float32, torch.float32, vectorized, True)
+    operands = entry_operands(direction, vectorized)
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*(cuda_labelled(t) if isinstance(t, torch.Tensor) else t for t in operands))
 
 
 # (5) GPU only --------------------------------------------------------------------------------

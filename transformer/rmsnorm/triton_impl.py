@@ -94,9 +94,16 @@ def residual_stream(
 
 
 @triton.jit
+def row_mean(total, n):
+    """total / n, div.rn. tl.cast, not n.to: Triton compiles an int argument equal to 1 in as
+    the constant 1 (a constexpr, which has no .to), so n = 1 arrives here as a constant."""
+    return tl.math.div_rn(total, tl.cast(n, tl.float32))
+
+
+@triton.jit
 def row_rstd(sum_of_squares, n, eps):
     """1 / sqrt(sum / n + eps): div.rn, one add, rsqrt.approx."""
-    return tl.math.rsqrt(tl.math.div_rn(sum_of_squares, n.to(tl.float32)) + eps)
+    return tl.math.rsqrt(row_mean(sum_of_squares, n) + eps)
 
 
 @triton.jit
@@ -174,7 +181,7 @@ def rmsnorm_backward_rows_kernel(
         xhat = load_block(x_ptr, offs_m, offs_n, stride_xm, stride_xn, mask) * rstd[:, None]
         dy = load_block(dy_ptr, offs_m, offs_n, stride_dym, stride_dyn, mask)
         g = dy * w[None, :]
-        mean_dot = tl.math.div_rn(pairwise_sum(g * xhat, LOG2_BLOCK_N), n.to(tl.float32))
+        mean_dot = row_mean(pairwise_sum(g * xhat, LOG2_BLOCK_N), n)
         dx = input_gradient(xhat, g, rstd, mean_dot, dres_ptr, offs_m, offs_n, mask, stride_dm,
                             stride_dn, FUSED)  # fmt: skip
         store_block(dx_ptr, offs_m, offs_n, stride_dxm, stride_dxn, mask, dx)
@@ -198,7 +205,7 @@ def rmsnorm_row_dots_kernel(
         xhat = load_block(x_ptr, offs_m, cols, stride_xm, stride_xn, mask) * rstd[:, None]
         w = tl.load(w_ptr + cols * stride_w, mask=cols < n, other=0.0).to(tl.float32)
         lanes += load_block(dy_ptr, offs_m, cols, stride_dym, stride_dyn, mask) * w * xhat
-    mean_dot = tl.math.div_rn(pairwise_sum(lanes, LOG2_CHUNK), n.to(tl.float32))
+    mean_dot = row_mean(pairwise_sum(lanes, LOG2_CHUNK), n)
     tl.store(mean_dots_ptr + offs_m, mean_dot)
 
 
