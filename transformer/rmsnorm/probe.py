@@ -1,4 +1,4 @@
-"""GPU probe for rmsnorm: the full test suite (at most 120 s), then bench.py's two
+"""GPU probe for rmsnorm: the full test suite (at most TESTS_TIMEOUT_S), then bench.py's two
 model shapes in bf16, in one run.
 
     cd transformer/rmsnorm && python probe.py
@@ -11,24 +11,38 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TESTS_TIMEOUT_S = 120
 
 
 def run_tests():
+    """The whole suite, verbose: each test's name and outcome print as it ends, so a suite
+    stopped at TESTS_TIMEOUT_S still names its failures (pytest's details come at the end).
+    Each line is stamped with the seconds since the start: the slowest steps show where the
+    time went."""
     start = time.time()
-    done = subprocess.run(
-        [sys.executable, "test.py", "-q", "-rs", "-s"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    tail = (done.stdout + done.stderr).strip().splitlines()
-    return {"rc": done.returncode, "seconds": round(time.time() - start, 1), "tail": tail[-25:]}
+    command = [sys.executable, "test.py", "-vv", "-rfEs", "-s"]  # test.py passes -q: -vv nets -v
+    stamped = []
+    with subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:  # fmt: skip
+        stop = threading.Timer(TESTS_TIMEOUT_S, child.kill)
+        stop.start()
+        stamped = [(time.time() - start, line.rstrip()) for line in child.stdout]
+        stop.cancel()
+    times = [0.0] + [t for t, _ in stamped]
+    steps = [(times[i + 1] - times[i], line) for i, (_, line) in enumerate(stamped)]
+    return {
+        "rc": "timeout" if child.returncode < 0 else child.returncode,
+        "seconds": round(time.time() - start, 1),
+        "failed": [line for _, line in stamped if " FAILED" in line or " ERROR" in line][:80],
+        "slowest": [f"{dt:.1f} s {line}" for dt, line in sorted(steps, reverse=True)[:10]],
+        "tail": [line for _, line in stamped[-25:]],
+    }
 
 
 def run_bench():
