@@ -27,7 +27,6 @@ def run_tests():
     time went."""
     start = time.time()
     command = [sys.executable, "test.py", "-vv", "-rfEs", "-s"]  # test.py passes -q: -vv nets -v
-    stamped = []
     with subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) as child:  # fmt: skip
         stop = threading.Timer(TESTS_TIMEOUT_S, child.kill)
