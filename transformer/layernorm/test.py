@@ -22,11 +22,7 @@ if not ON_GPU:
 
 import reference
 import torch_impl
-
-try:
-    import triton_impl
-except ImportError:
-    triton_impl = None
+import triton_impl
 
 try:
     from common.tolerance import (
@@ -53,7 +49,7 @@ except ImportError as error:  # no CuTe DSL: its tests skip and say why
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch"]
+IMPLS = ["torch", "triton", "cute"]
 # (M, N): no rows, 1, primes, 2**k +- 1 and the edges of a CuTe tile (2048 float32, 4096
 # 16-bit elements).
 SHAPES = [(0, 5), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097), (3, 2048),
@@ -704,3 +700,44 @@ def test_torch_compile_fullgraph(impl):
     assert_same_bits(compiled_out.detach(), eager_out.detach())
     for p, eager_grad in zip(model.parameters(), eager_grads, strict=True):
         assert_same_bits(p.grad, eager_grad)
+
+
+# (3) Triton: the looped kernels, the row groups and the dispatch -----------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [33, 100, 257])
+def test_triton_looped_kernels(dtype, n, monkeypatch):
+    """With the register limits at 32, chunks of 16 lanes and at most 4 row groups, short rows
+    take the looped kernels (the shifted one-pass statistics, partial rows in memory) and
+    several rows share a group: the paths the H200 takes past the limits, at sizes the
+    interpreter runs. One row's first chunk sits 50 above the rest: the shift is far from
+    the mean there, which the bound's D term covers."""
+    monkeypatch.setattr(triton_impl, "ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "BACKWARD_ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "CHUNK", 16)
+    monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 4)
+    x = random_rows(7, n, dtype)
+    x[2, :16] += 50
+    forward_then_backward("triton", x, random_rows(7, n, dtype))
+    assert triton_impl.statistics_path(n, dtype) == (-(-n // 16) - 1 + 4, 16)
+    assert triton_impl.backward_path(7, n, dtype)[1] == 2 + 4  # 4 groups of 2 rows
+
+
+def test_triton_dispatch():
+    """Rows up to ROW_BLOCK_MAX go to the forward rows kernel, several short rows a program;
+    the backward cuts the rows into at most PARTIALS_MAX groups of equal length."""
+    assert triton_impl.rows_launch(1000, 1)[1:3] == (1024, 1)
+    assert triton_impl.rows_launch(3, 100)[1] == 4  # never more rows than m needs
+    assert triton_impl.rows_launch(8, 32768)[1:] == (1, 32768, 32)
+    assert triton_impl.rows_launch(8, 32769) is None
+    assert triton_impl.row_groups(1) == (1, 1)
+    assert triton_impl.row_groups(512) == (512, 1)
+    assert triton_impl.row_groups(513) == (257, 2)
+    assert triton_impl.row_groups(32768) == (512, 64)
+
+
+def test_triton_looped_at_real_size():
+    """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes, both ways."""
+    x, dy = random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
+    forward_then_backward("triton", x, dy)
