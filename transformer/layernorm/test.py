@@ -741,3 +741,150 @@ def test_triton_looped_at_real_size():
     """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes, both ways."""
     x, dy = random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
     forward_then_backward("triton", x, dy)
+
+
+# (4) CuTe builds and PTX ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(direction, dtype):
+    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
+    the any-stride build), the warp shuffles of block_sum, and in the forward the
+    rsqrt.approx.ftz.f32 README.md's bound counts."""
+    vector = cute_impl.ptx_of(direction, dtype, contiguous=True)
+    scalar = cute_impl.ptx_of(direction, dtype, contiguous=False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+    assert "shfl.sync.bfly" in vector
+    if direction == "forward":
+        assert "rsqrt.approx.ftz.f32" in vector
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+def test_cute_mixed_precision_and_sum_build():
+    """float32 weight over bfloat16 x builds both ways (two 128-bit weight loads per 16-byte
+    run of x), and so does the partial-sum kernel of each dtype."""
+    for direction in ("forward", "backward"):
+        assert cute_impl.build(direction, torch.bfloat16, torch.float32, True) is not None
+    for dtype in DTYPES:
+        assert cute_impl.compile_sum(dtype) is not None
+
+
+def test_cute_paths_match_the_tile():
+    """The counts README.md's bound uses: one tile of 4096 16-bit (2048 float32) elements
+    gives log2 V + 1 + 8 additions, and the shift is that tile's mean."""
+    if cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    assert cute_impl.statistics_path(4096, torch.bfloat16) == (4 + 1 + 8, 4096)
+    assert cute_impl.statistics_path(4097, torch.float32) == (3 + 3 + 8, 2048)
+    assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 512)
+
+
+# (5) GPU only --------------------------------------------------------------------------------
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def float64_forward(x, weight, bias, eps):
+    """The stand-in for reference.py where Python is too slow: the same formulas in float64."""
+    rows = x.double().reshape(-1, x.shape[-1])
+    mean = rows.mean(dim=-1, keepdim=True)
+    rstd = (
+        1 / ((rows - mean).square().mean(dim=-1, keepdim=True) + reference.to_float32(eps)).sqrt()
+    )
+    y = (rows - mean) * rstd * weight.double() + bias.double()
+    return (
+        y.cpu().reshape(x.shape),
+        mean.cpu().reshape(x.shape[:-1]),
+        rstd.cpu().reshape(x.shape[:-1]),
+    )
+
+
+def float64_backward(x, weight, mean, rstd, dy):
+    n = x.shape[-1]
+    rows, dy64 = x.double().reshape(-1, n), dy.double().reshape(-1, n)
+    xhat = (rows - mean.double().reshape(-1, 1)) * rstd.double().reshape(-1, 1)
+    g = dy64 * weight.double()
+    a, b = g.mean(dim=-1, keepdim=True), (g * xhat).mean(dim=-1, keepdim=True)
+    dx = rstd.double().reshape(-1, 1) * (g - a - xhat * b)
+    return dx.cpu().reshape(x.shape), (dy64 * xhat).sum(dim=0).cpu(), dy64.sum(dim=0).cpu()
+
+
+def test_stand_ins_match_reference():
+    """The float64 stand-ins agree with reference.py to far below any float32 bound."""
+    x, dy = random_rows(3, 1000, torch.float32), random_rows(3, 1000, torch.float32)
+    weight, bias = parameters(1000, "affine", torch.float32)
+    exact = reference.layernorm_forward(*cpu(x, weight, bias), EPS)
+    for ours, want in zip(float64_forward(x, weight, bias, EPS), exact, strict=True):
+        assert (ours - want).abs().max() < 1e-12
+    mean, rstd = exact[1].float(), exact[2].float()
+    exact = reference.layernorm_backward(*cpu(x, weight, mean, rstd, dy))
+    for ours, want in zip(float64_backward(x, weight, mean, rstd, dy), exact, strict=True):
+        assert (ours - want).abs().max() < 1e-12
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n", [(4096, 1024), (64, 8192), (16, 32000), (8, 65537), (2, 262144)])
+def test_large_rows_against_float64(impl, dtype, m, n):
+    fns = implementation(impl)
+    x, dy = random_rows(m, n, dtype, scale=3.0, offset=1.0), random_rows(m, n, dtype)
+    weight, bias = parameters(n, "affine", dtype)
+    got = fns.layernorm_forward(x, weight, bias, EPS, *fresh_outputs(x))
+    exact = float64_forward(x, weight, bias, EPS)
+    bounds = forward_bounds(impl, x, weight, EPS, exact)
+    for name, value, want, bound in zip(("y", "mean", "rstd"), got, exact, bounds, strict=True):
+        assert_within_bound(value, want, bound, f"{impl} forward {name}")
+    _, mean, rstd = got
+    outputs = (torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias))
+    grads = fns.layernorm_backward(x, weight, mean, rstd, dy, *outputs)
+    exact = float64_backward(x, weight, mean, rstd, dy)
+    bounds = backward_bounds(impl, x, weight, mean, rstd, dy, exact)
+    for name, value, want, bound in zip(
+        ("dx", "dweight", "dbias"), grads, exact, bounds, strict=True
+    ):
+        assert_within_bound(value, want, bound, f"{impl} backward {name}")
+
+
+@gpu_only
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph, forward and backward replay on fresh data with the bits of an
+    eager call: the launchers work on torch's current stream and do nothing a capture misses."""
+    fns = implementation(impl)
+    m, n = 5, 4099
+    x, dy = random_rows(m, n, dtype), random_rows(m, n, dtype)
+    weight, bias = parameters(n, "affine", dtype)
+    outs, grads = (
+        fresh_outputs(x),
+        (torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)),
+    )
+
+    def step():
+        fns.layernorm_forward(x, weight, bias, EPS, *outs)
+        fns.layernorm_backward(x, weight, outs[1], outs[2], dy, *grads)
+
+    step()  # compile and load first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(random_rows(m, n, dtype))
+    dy.copy_(random_rows(m, n, dtype))
+    for t in (*outs, *grads):
+        t.fill_(float("nan"))
+    graph.replay()
+    eager = fns.layernorm_forward(x, weight, bias, EPS, *fresh_outputs(x))
+    fresh_grads = (torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias))
+    eager_grads = fns.layernorm_backward(x, weight, eager[1], eager[2], dy, *fresh_grads)
+    torch.cuda.synchronize()
+    for a, b in zip((*outs, *grads), (*eager, *eager_grads), strict=True):
+        assert_same_bits(a, b)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+                          *sys.argv[1:]]))  # fmt: skip
