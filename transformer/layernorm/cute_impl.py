@@ -403,7 +403,9 @@ def compile_kernel(direction, dtype, parameter_dtype, vector):
 @functools.cache
 def compile_sum(dtype):
     groups, n = cute.sym_int64(), cute.sym_int64()
-    partials = cute.runtime.make_fake_tensor(cutlass.Float32, (groups, n), stride=(n, 1))
+    partials = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (groups, n), stride=(cute.sym_int64(), 1)
+    )  # rows padded (partial_rows)
     out = cute.runtime.make_fake_tensor(TORCH_TO_CUTLASS[dtype], (n,), stride=(cute.sym_int64(),))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(launch_sum, partials, out, stream, options="--enable-tvm-ffi")
@@ -482,6 +484,15 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     return y, mean, rstd
 
 
+def partial_rows(groups, n, device):
+    """The backward's two float32 partial planes (dweight's, dbias's), zeros, (groups, N) each.
+    Rows padded to whole 32-byte runs (8 floats, a 16-bit x's run), so that every row of both
+    planes, the second plane's first included, starts on a 16-byte boundary with a row stride
+    the vector build accepts."""
+    padded = -(-n // 8) * 8
+    return torch.zeros(2, groups, padded, dtype=torch.float32, device=device)[..., :n]
+
+
 def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     check_backward(x, weight, mean, rstd, dy, dx, dweight, dbias)
     require_cuda(x)
@@ -494,7 +505,7 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
     (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
     n, (groups, rows_per_group) = x_rows.shape[1], row_groups(x_rows.shape[0])
-    partials = torch.zeros(2, groups, n, dtype=torch.float32, device=x.device)
+    partials = partial_rows(groups, n, x.device)
     vector = all(is_vector_friendly(t) for t in (x_rows, dy_rows, dx_rows, w, partials[0]))
     kernel = compile_kernel("backward", x.dtype, w.dtype, vector)
     kernel(x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1],

@@ -781,6 +781,51 @@ def test_cute_paths_match_the_tile():
     assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 512)
 
 
+def cuda_labelled(t):
+    """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
+    CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
+    only the launch after the checks needs the GPU."""
+    import ctypes
+
+    import tvm_ffi
+
+    class Relabelled:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, *args, **kwargs):
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            header = get(capsule, b"dltensor")  # DLTensor: void *data, then the device type
+            ctypes.c_int32.from_address(header + ctypes.sizeof(ctypes.c_void_p)).value = 2
+            return capsule
+
+    return tvm_ffi.from_dlpack(Relabelled())
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU,
+                    reason="CPU only (the CuTe DSL installed): on a GPU the contract tests call "
+                    "these builds")  # fmt: skip
+@pytest.mark.parametrize("m, n", [(1, 1), (1, 4097), (3, 4097)], ids=str)
+def test_cute_backward_entry_takes_the_partials(m, n):
+    """The backward's operands as the launcher lays them out pass TVM-FFI's checks and reach
+    the launch, which fails here without a driver: a single row of any length takes the vector
+    build, whose partial planes must both start on 16-byte boundaries (the second one, at byte
+    4 N, once raised 'Misaligned Tensor data' on the H200); so does the sum over the groups."""
+    x, dy, dx, w = torch.randn(m, n), torch.randn(m, n), torch.empty(m, n), torch.randn(n)
+    groups, rows_per_group = cute_impl.row_groups(m)
+    partials = cute_impl.partial_rows(groups, n, x.device)
+    vector = all(cute_impl.is_vector_friendly(t) for t in (x, dy, dx, w, partials[0]))
+    assert vector == (m == 1)
+    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector)
+    operands = (x, w, torch.zeros(m), torch.ones(m), dy, dx, partials[0], partials[1])
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*map(cuda_labelled, operands), rows_per_group, 1.0 / n)
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        cute_impl.compile_sum(torch.float32)(cuda_labelled(partials[1]), cuda_labelled(w))
+
+
 # (5) GPU only --------------------------------------------------------------------------------
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
