@@ -11,21 +11,37 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TESTS_TIMEOUT_S = 150
 
 
 def run_tests():
+    """The suite, verbose: each test's name and outcome print as it ends, so a suite stopped
+    at TESTS_TIMEOUT_S still names its failures (pytest's details come at the end). Each line
+    is stamped with the seconds since the start: the slowest steps show where the time went."""
     start = time.time()
-    done = subprocess.run(
-        [sys.executable, "test.py", "-q", "-rfs", "-k", "not ptx and not build"],
-        cwd=HERE, capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
-    tail = (done.stdout + done.stderr).strip().splitlines()
-    return {"rc": done.returncode, "seconds": round(time.time() - start, 1), "tail": tail[-30:]}
+    # test.py passes -q: -vv nets pytest's -v
+    command = [sys.executable, "test.py", "-vv", "-rfEs", "-k", "not ptx and not build"]
+    with subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:  # fmt: skip
+        stop = threading.Timer(TESTS_TIMEOUT_S, child.kill)
+        stop.start()
+        stamped = [(time.time() - start, line.rstrip()) for line in child.stdout]
+        stop.cancel()
+    times = [0.0] + [t for t, _ in stamped]
+    steps = [(times[i + 1] - times[i], line) for i, (_, line) in enumerate(stamped)]
+    return {
+        "rc": "timeout" if child.returncode < 0 else child.returncode,
+        "seconds": round(time.time() - start, 1),
+        "failed": [line for _, line in stamped if " FAILED" in line or " ERROR" in line][:80],
+        "slowest": [f"{dt:.1f} s {line}" for dt, line in sorted(steps, reverse=True)[:10]],
+        "tail": [line for _, line in stamped[-30:]],
+    }
 
 
 def run_bench():
