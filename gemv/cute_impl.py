@@ -51,6 +51,10 @@ Common to both:
 * Partial tiles (the last columns of a row, the last rows of the matrix) keep the same map but
   load element by element, each under a predicate from an identity tensor (its coordinate is
   inside (m, n)); the registers they skip hold 0 and add 0 * 0 = 0 exactly.
+* Split columns: when the row blocks alone leave the GPU idle (column-major 4096 x 4096), the
+  columns are cut into P parts too (`split_columns`), part blockIdx.y of each row block; the
+  blocks store their rows' float32 sums in a (P, m) workspace and `sum_splits_kernel` adds each
+  row's P sums in a fixed pairwise tree and finishes the row. P depends on the shape only.
 * m, n, the strides and the block index are 64-bit, so A may hold 2**31 elements and more; m
   and n reach the kernel as their own arguments because CuTe DSL 4.8.1 truncates a dynamic
   shape read back from a tensor to 32 bits.
@@ -98,6 +102,18 @@ THREADS_ACROSS_COLUMNS = 32
 THREADS_DOWN_A_COLUMN = {32: 8, 16: 16}  # by element width in bits
 COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}
 
+# Splitting the columns. A grid of fewer blocks than fill an H200 at two 256-thread blocks an SM
+# (FILL_THREADS: the occupancy the kernels run at, one block an SM for 512-thread column blocks)
+# has its columns split too, into the most parts, a power of two, that keep the grid within
+# that fill and give each part at least SPLIT_MIN_BYTES of A: block (p, s) stores the float32
+# row sums of part s in a workspace and `sum_splits_kernel` adds each row's parts in a fixed
+# pairwise tree and finishes the row. Constants rather than the device's SM count, so that the
+# parts, and with them the bits of y, depend only on the shape. At most MAX_SPLITS parts (a
+# tree of at most 6 levels, one register per part in the second pass).
+FILL_THREADS = 2 * 132 * THREADS_PER_BLOCK
+SPLIT_MIN_BYTES = 128 * 1024
+MAX_SPLITS = 64
+
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
     torch.float16: cutlass.Float16,
@@ -129,6 +145,41 @@ def column_tile(width):
 def column_threads(width):
     """Threads of a column-major block: 256 float32, 512 16-bit."""
     return THREADS_DOWN_A_COLUMN[width] * THREADS_ACROSS_COLUMNS
+
+
+@functools.cache  # looked up on every call: worked out once
+def block_geometry(dtype, layout):
+    """(rows, columns, threads) of one block's tile: rows of A a block owns, the columns it takes
+    a tile, and its threads."""
+    width = dtype.itemsize * 8
+    if layout == "row":
+        return rows_per_block(width), row_tile(width), THREADS_PER_BLOCK
+    return (*column_tile(width), column_threads(width))
+
+
+def split_columns(m, n, dtype, layout):
+    """(splits, tiles per split) for an (m, n) A of `dtype` in the 'row' or 'col' kernel: how many
+    parts the columns are cut into, and how many column tiles each part takes (the last parts may
+    take fewer, or none). splits is a power of two, 1 when the row blocks alone fill the GPU."""
+    block_rows, tile_columns, threads = block_geometry(dtype, layout)
+    row_blocks, tiles = -(-m // block_rows), -(-n // tile_columns)
+    tile_bytes = block_rows * tile_columns * dtype.itemsize
+    most = min(
+        FILL_THREADS // threads // row_blocks, tiles * tile_bytes // SPLIT_MIN_BYTES, MAX_SPLITS
+    )
+    splits = 1 << (most.bit_length() - 1) if most > 1 else 1
+    return splits, -(-tiles // splits)
+
+
+def part_tiles(n, tile_columns, tiles_per_split):
+    """(first, whole stop, stop): the column tiles of this block's part, [first, stop), of which
+    [first, whole stop) lie inside n and the last, if n cuts it, is [whole stop, stop). The part
+    is blockIdx.y; past the last tile a part is empty. Plain Python, run while the kernel is
+    traced."""
+    tiles = (n + tile_columns - 1) // tile_columns
+    first = cutlass.min(cutlass.Int64(cute.arch.block_idx()[1]) * tiles_per_split, tiles)
+    stop = cutlass.min(first + tiles_per_split, tiles)
+    return first, cutlass.max(first, cutlass.min(stop, n // tile_columns)), stop
 
 
 def pairwise_sum(values):
@@ -199,13 +250,27 @@ def finish_row(y, row, row_sum, alpha, beta, read_a: cutlass.Constexpr, read_y: 
     y[row] = result.to(y.element_type)
 
 
+@cute.jit
+def store_row(
+    y, partials, row, row_sum, alpha, beta, read_a: cutlass.Constexpr, read_y: cutlass.Constexpr
+):
+    """Split (partials given): store this part's sum of the row at partials[part, row], for
+    sum_splits_kernel. Else finish the row."""
+    if cutlass.const_expr(partials is not None):
+        partials[cute.arch.block_idx()[1], row] = row_sum
+    else:
+        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
+
+
 @cute.kernel
 def row_major_kernel(
     A: cute.Tensor,
     x: cute.Tensor,
     y: cute.Tensor,
+    partials,
     m: cutlass.Int64,
     n: cutlass.Int64,
+    tiles_per_split: cutlass.Int64,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
     tile_copy: cute.TiledCopy,
@@ -231,17 +296,17 @@ def row_major_kernel(
             # stored.
             a_rows = [A[cutlass.min(first_row + r, m - 1), None] for r in range(warp_rows)]
             lane_tile_copy = tile_copy.get_slice(lane)
-            full_tiles = n // tile_elems
-            for tile in cutlass.range(full_tiles):
+            first, whole_stop, stop = part_tiles(n, tile_elems, tiles_per_split)
+            for tile in cutlass.range(first, whole_stop):
                 a_tiles = [cute.local_tile(a_row, (tile_elems,), (tile,)) for a_row in a_rows]
                 x_tile = cute.local_tile(x, (tile_elems,), (tile,))
                 add_products(lane_tile_copy, a_tiles, lane_tile_copy, x_tile, lanes, None)
-            if full_tiles * tile_elems < n:  # the rows' last, partial tile
+            if whole_stop < stop:  # the rows' last tile, cut by n, is in this part
                 lane_element_copy = element_copy.get_slice(lane)
-                coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (full_tiles,))
+                coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (whole_stop,))
                 in_bounds = in_bounds_mask(lane_element_copy, coords, n)
-                a_tiles = [cute.local_tile(a_row, (tile_elems,), (full_tiles,)) for a_row in a_rows]
-                x_tile = cute.local_tile(x, (tile_elems,), (full_tiles,))
+                a_tiles = [cute.local_tile(a_row, (tile_elems,), (whole_stop,)) for a_row in a_rows]
+                x_tile = cute.local_tile(x, (tile_elems,), (whole_stop,))
                 add_products(
                     lane_element_copy, a_tiles, lane_element_copy, x_tile, lanes, in_bounds
                 )
@@ -252,7 +317,7 @@ def row_major_kernel(
         ]
     for r in cutlass.range_constexpr(warp_rows):
         if lane == 0 and first_row + r < m:
-            finish_row(y, first_row + r, row_sums[r], alpha, beta, read_a, read_y)
+            store_row(y, partials, first_row + r, row_sums[r], alpha, beta, read_a, read_y)
 
 
 @cute.kernel
@@ -260,8 +325,10 @@ def column_major_kernel(
     A: cute.Tensor,
     x_rows: cute.Tensor,
     y: cute.Tensor,
+    partials,
     m: cutlass.Int64,
     n: cutlass.Int64,
+    tiles_per_split: cutlass.Int64,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
     tile_copy: cute.TiledCopy,
@@ -282,22 +349,21 @@ def column_major_kernel(
         lanes.fill(0.0)
         thread_tile_copy = tile_copy.get_slice(thread)
         thread_element_copy = element_copy.get_slice(thread)
-        full_tiles = n // tile_columns
-        tiles = (n + tile_columns - 1) // tile_columns
+        first, whole_stop, stop = part_tiles(n, tile_columns, tiles_per_split)
         # x_rows is x seen as an (m, n) matrix whose every row is x (row stride 0): partitioned
         # with the same thread-value layout as A, it hands each thread the x_j of each of its
         # a_ij. A stride-0 operand cannot be read as vectors, so x always uses 1-element
         # accesses; the v copies of one x_j in a thread are one address, loaded once.
         identity = cute.make_identity_tensor((m, n))
-        first_partial = cutlass.Int64(0)  # in the matrix's last rows every tile is partial
+        first_partial = first  # in the matrix's last rows every tile is partial
         if (block + 1) * block_rows <= m:
-            for t in cutlass.range(full_tiles):
+            for t in cutlass.range(first, whole_stop):
                 add_products(
                     thread_tile_copy, [cute.local_tile(A, tile, (block, t))],
                     thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), [lanes], None,
                 )  # fmt: skip
-            first_partial = full_tiles
-        for t in cutlass.range(first_partial, tiles):
+            first_partial = whole_stop
+        for t in cutlass.range(first_partial, stop):
             in_bounds = in_bounds_mask(
                 thread_element_copy, cute.local_tile(identity, tile, (block, t)), (m, n)
             )
@@ -307,7 +373,7 @@ def column_major_kernel(
             )  # fmt: skip
         # Register k holds row k mod v of the thread's vector and its column k div v, and adds
         # into lane k mod 16: the lanes hold each of the v rows in 16 / v column slots.
-        partials = cute.make_tensor(
+        thread_sums = cute.make_tensor(
             cute.arch.alloc_smem(cutlass.Float32, block_rows * THREADS_ACROSS_COLUMNS),
             cute.make_layout((block_rows, THREADS_ACROSS_COLUMNS), stride=(1, block_rows)),
         )
@@ -315,13 +381,33 @@ def column_major_kernel(
         column_thread = thread // THREADS_DOWN_A_COLUMN[width]
         for r in cutlass.range_constexpr(v):
             slots = [lanes[r + v * c] for c in range(LANES_PER_THREAD // v)]
-            partials[row_thread * v + r, column_thread] = pairwise_sum(slots)
+            thread_sums[row_thread * v + r, column_thread] = pairwise_sum(slots)
         cute.arch.sync_threads()  # all partial sums of every row are in shared memory
         if thread < block_rows:
-            row_sum = pairwise_sum([partials[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
+            row_sum = pairwise_sum([thread_sums[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
     row = block * block_rows + thread
     if thread < block_rows and row < m:
-        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
+        store_row(y, partials, row, row_sum, alpha, beta, read_a, read_y)
+
+
+@cute.kernel
+def sum_splits_kernel(
+    partials: cute.Tensor,
+    y: cute.Tensor,
+    m: cutlass.Int64,
+    alpha: cutlass.Float32,
+    beta: cutlass.Float32,
+    read_y: cutlass.Constexpr[bool],
+):
+    """The second pass of a split: thread i of block b finishes row 256 b + i from its parts
+    partials[s, row], added by neighbours in a pairwise tree of log2(splits) levels. Adjacent
+    threads read adjacent rows of each part."""
+    thread, _, _ = cute.arch.thread_idx()
+    block_idx, _, _ = cute.arch.block_idx()
+    row = cutlass.Int64(block_idx) * THREADS_PER_BLOCK + thread
+    if row < m:
+        parts = [partials[s, row] for s in range(cute.size(partials, mode=[0]))]
+        finish_row(y, row, pairwise_sum(parts), alpha, beta, True, read_y)
 
 
 def tiled_copies(dtype, layout, vector_elems):
@@ -363,8 +449,10 @@ def launch_gemv(
     A: cute.Tensor,
     x: cute.Tensor,
     y: cute.Tensor,
+    partials,
     alpha: cutlass.Float32,
     beta: cutlass.Float32,
+    tiles_per_split: cutlass.Int64,
     stream: cuda.CUstream,
     layout: cutlass.Constexpr[str],
     vector_elems: cutlass.Constexpr[int],
@@ -382,21 +470,32 @@ def launch_gemv(
     tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
     if cutlass.const_expr(layout == "row"):
         kernel = row_major_kernel(
-            A, x, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
-        )
+            A, x, y, partials, m, n, tiles_per_split, alpha, beta, tile_copy, element_copy,
+            read_a, read_y,
+        )  # fmt: skip
         block_rows, threads = rows_per_block(dtype.width), THREADS_PER_BLOCK
     else:
         # x as an (m, n) matrix whose every row is x: row stride 0.
         x_rows = cute.make_tensor(x.iterator, cute.make_layout((m, n), stride=(0, x.stride[0])))
         kernel = column_major_kernel(
-            A, x_rows, y, m, n, alpha, beta, tile_copy, element_copy, read_a, read_y
-        )
+            A, x_rows, y, partials, m, n, tiles_per_split, alpha, beta, tile_copy, element_copy,
+            read_a, read_y,
+        )  # fmt: skip
         block_rows, threads = column_tile(dtype.width)[0], column_threads(dtype.width)
+    # Split (partials given): a block for each row block and part, then the second pass. Two
+    # launches on one stream: it starts after every part's row sums are stored.
+    splits = 1 if partials is None else cute.size(partials, mode=[0])
     kernel.launch(
-        grid=[cute.ceil_div(m, block_rows), 1, 1],
+        grid=[cute.ceil_div(m, block_rows), splits, 1],
         block=[threads, 1, 1],
         stream=stream,
     )
+    if cutlass.const_expr(partials is not None):
+        sum_splits_kernel(partials, y, m, alpha, beta, read_y).launch(
+            grid=[cute.ceil_div(m, THREADS_PER_BLOCK), 1, 1],
+            block=[THREADS_PER_BLOCK, 1, 1],
+            stream=stream,
+        )
 
 
 def mapping(A):
@@ -422,9 +521,11 @@ def is_vector_friendly(A, x, layout):
     return layout == "col" or (x.is_contiguous() and x.data_ptr() % VECTOR_BYTES == 0)
 
 
-def placeholders(dtype, layout, vector_elems):
-    """What cute.compile sees of A, x and y: the dtype, 64-bit symbolic sizes (A's m shared
-    with y's length, its n with x's: each call checks they match) and strides. A vector build
+def placeholders(dtype, layout, vector_elems, splits):
+    """What cute.compile sees of A, x, y and the split's partials: the dtype, 64-bit symbolic
+    sizes (A's m shared with y's length and the partials' rows, its n with x's: each call checks
+    they match) and strides. partials is None unsplit, else a float32 (splits, m) tensor with
+    the constant stride 1 along m. A vector build
     has A's stride along the contiguous dimension the constant 1, the other a 64-bit symbolic
     multiple of v, and a 16-byte aligned start, and row-major x the stride 1 and a 16-byte
     aligned start; every other stride is a 64-bit symbolic one on an element boundary. The
@@ -441,44 +542,51 @@ def placeholders(dtype, layout, vector_elems):
     x_vector = vector_elems > 1 and layout == "row"
     x_stride, x_align = (1, VECTOR_BYTES) if x_vector else (cute.sym_int64(), size)
     make = cute.runtime.make_fake_tensor
+    partials = None
+    if splits > 1:
+        partials = make(cutlass.Float32, (splits, m), stride=(cute.sym_int64(), 1), assumed_align=4)
     return (
         make(element, (m, n), stride=a_stride, assumed_align=size * vector_elems),
         make(element, (n,), stride=(x_stride,), assumed_align=x_align),
         make(element, (m,), stride=(cute.sym_int64(),), assumed_align=size),
+        partials,
     )
 
 
-def build(dtype, layout, vector_elems, read_a, read_y, options=""):
-    """cute.compile the launcher for TVM-FFI calls on torch tensors (A, x, y, alpha, beta), on
-    the stream torch has current for their device."""
+def build(dtype, layout, vector_elems, read_a, read_y, splits=1, options=""):
+    """cute.compile the launcher for TVM-FFI calls on torch tensors and numbers (A, x, y,
+    partials or None, alpha, beta, tiles per split), on the stream torch has current for their
+    device."""
     if vector_elems not in (1, elements_per_access(dtype, True)):
         raise ValueError(f"vector_elems must be 1 or {elements_per_access(dtype, True)}")
     if layout not in ("row", "col"):
         raise ValueError(f"layout must be 'row' or 'col', got {layout!r}")
+    A, x, y, partials = placeholders(dtype, layout, vector_elems, splits)
     return cute.compile(
-        launch_gemv, *placeholders(dtype, layout, vector_elems), 1.0, 1.0,
+        launch_gemv, A, x, y, partials, 1.0, 1.0, cutlass.Int64(1),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         layout, vector_elems, read_a, read_y, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_kernel(dtype, layout, vector_elems, read_a, read_y):
+def compile_kernel(dtype, layout, vector_elems, read_a, read_y, splits):
     """The compiled gemv for torch `dtype`, A's `layout` ('row' or 'col'), `vector_elems`
-    elements per access of A, loading A and x only if read_a and y only if read_y; built once
-    (about a second) and cached. Compiling needs no GPU. What is cached is the TVM-FFI
-    function itself, which takes torch tensors and checks them against its build."""
-    return build(dtype, layout, vector_elems, read_a, read_y).__tvm_ffi_object__()
+    elements per access of A, loading A and x only if read_a and y only if read_y, its columns
+    in `splits` parts; built once (about a second) and cached. Compiling needs no GPU. What is
+    cached is the TVM-FFI function itself, which takes torch tensors and checks them against
+    its build."""
+    return build(dtype, layout, vector_elems, read_a, read_y, splits).__tvm_ffi_object__()
 
 
-def ptx_of(dtype, layout, contiguous, read_a=True, read_y=True):
+def ptx_of(dtype, layout, contiguous, read_a=True, read_y=True, splits=1):
     """The PTX of the vector build (contiguous=True) or of the any-stride build of the 'row'
     or 'col' kernel, for sm_90a (H200): what the tests read to check for 128-bit loads and
     warp shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         vector_elems = elements_per_access(dtype, contiguous)
-        return build(dtype, layout, vector_elems, read_a, read_y, options).__ptx__
+        return build(dtype, layout, vector_elems, read_a, read_y, splits, options).__ptx__
 
 
 @cute.jit
@@ -524,10 +632,17 @@ def gemv(alpha, A, x, beta, y):
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
     layout = mapping(A)
     vector_elems = elements_per_access(A.dtype, is_vector_friendly(A, x, layout))
-    # TVM-FFI launches on torch's current stream of the operands' GPU: ordered with the
-    # caller's torch work and capturable by a CUDA graph (call once before capturing: the
-    # first call loads the compiled module). alpha32 and beta32 pass as Float32 exactly.
-    compile_kernel(A.dtype, layout, vector_elems, alpha32 != 0.0 and n > 0, beta32 != 0.0)(
-        A, x, y, alpha32, beta32
+    read_a = alpha32 != 0.0 and n > 0
+    splits, tiles_per_split = split_columns(m, n, A.dtype, layout) if read_a else (1, 0)
+    # The parts' row sums, per call from torch's caching allocator: calls on different streams
+    # may run side by side.
+    partials = (
+        torch.empty((splits, m), dtype=torch.float32, device=y.device) if splits > 1 else None
+    )
+    # TVM-FFI launches on torch's current stream of the operands' GPU: ordered with the caller's
+    # torch work and capturable by a CUDA graph (call once before capturing: the first call
+    # loads the compiled module). alpha32 and beta32 pass as Float32 exactly.
+    compile_kernel(A.dtype, layout, vector_elems, read_a, beta32 != 0.0, splits)(
+        A, x, y, partials, alpha32, beta32, tiles_per_split
     )
     return y

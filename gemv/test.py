@@ -100,13 +100,14 @@ def triton_roundings(A):
     to y_i.
 
     One for the product of two float32 numbers (none for 16-bit data, whose products are exact
-    in float32), one per further column step added into a lane, log2(BLOCK_N) levels of the
-    tree over a row's lanes, and two for alpha * sum and the addition of beta * y_i. Read from
-    triton_impl at each call, so the bound follows the tile of the kernel A takes."""
-    n = A.shape[1]
+    in float32), one per further column step of its part added into a lane, log2(BLOCK_N)
+    levels of the tree over a row's lanes, log2(splits) levels of the tree over the row's parts
+    (none unsplit), and two for alpha * sum and the addition of beta * y_i. Read from
+    triton_impl at each call, so the bound follows the tile and the split of the kernel A takes."""
     _, block_n = triton_impl.tile_shape(A)
+    splits, steps = triton_impl.column_split(A)
     product = 1 if A.dtype == torch.float32 else 0
-    return product + (math.ceil(n / block_n) - 1) + int(math.log2(block_n)) + 2
+    return product + (steps - 1) + int(math.log2(block_n)) + int(math.log2(splits)) + 2
 
 
 def cute_roundings(A):
@@ -114,22 +115,26 @@ def cute_roundings(A):
 
     A thread loads V vectors of v elements per tile and adds register k into lane k mod L
     (L = 16 lanes), so each lane takes F = V v / L products a tile in series: one rounding each
-    but the first, F ceil(n / tile) - 1 in all, after the product's own. Row-major (V = 8
-    float32 or 4 16-bit vectors a row, tiles of 32 V v elements): then log2(L) levels in the
-    thread and log2(32) shuffle levels. Column-major (V columns of the thread, tiles of 32 V
-    columns): then log2(L / v) column slots in the thread and log2(32) levels over the row's
-    partial sums. Both end with alpha * sum and the addition of beta * y_i."""
-    n, width = A.shape[1], A.dtype.itemsize * 8
+    but the first, F t - 1 in all over the t tiles of the row's part (all ceil(n / tile) tiles
+    unsplit), after the product's own. Row-major (V = 8 float32 or 4 16-bit vectors a row,
+    tiles of 32 V v elements): then log2(L) levels in the thread and log2(32) shuffle levels.
+    Column-major (V columns of the thread, tiles of 32 V columns): then log2(L / v) column
+    slots in the thread and log2(32) levels over the row's partial sums. Then log2(splits)
+    levels over the row's parts (none unsplit), alpha * sum and the addition of beta * y_i."""
+    m, n = A.shape
+    width = A.dtype.itemsize * 8
     product = 1 if A.dtype == torch.float32 else 0
     lanes, v = cute_impl.LANES_PER_THREAD, cute_impl.elems_per_vector(width)
-    if cute_impl.mapping(A) == "row":
-        vectors, tile = cute_impl.ROW_VECTORS_PER_THREAD[width], cute_impl.row_tile(width)
-        tree = [lanes, cute_impl.WARP_SIZE]
+    layout = cute_impl.mapping(A)
+    if layout == "row":
+        vectors, tree = cute_impl.ROW_VECTORS_PER_THREAD[width], [lanes, cute_impl.WARP_SIZE]
     else:
-        vectors, tile = cute_impl.COLUMN_VECTORS_PER_THREAD[width], cute_impl.column_tile(width)[1]
+        vectors = cute_impl.COLUMN_VECTORS_PER_THREAD[width]
         tree = [lanes // v, cute_impl.THREADS_ACROSS_COLUMNS]
+    splits, tiles = cute_impl.split_columns(m, n, A.dtype, layout)
     per_lane = vectors * v // lanes
-    return product + (per_lane * math.ceil(n / tile) - 1) + sum(int(math.log2(t)) for t in tree) + 2
+    levels = sum(int(math.log2(t)) for t in [*tree, splits])
+    return product + (per_lane * tiles - 1) + levels + 2
 
 
 def abs_row_sums(A, x, rows=4096):
@@ -452,23 +457,34 @@ def test_repeatability(impl, layout, dtype):
     assert_same_bits(second, first)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cuda_graph_replays_the_eager_call(impl, layout, dtype):
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_cuda_graph_replays_the_eager_call(request, impl, layout, dtype, split):
     """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh A,
     x and y with the bits of an eager call on the same A and x and a copy of y: the launcher
     works on the stream torch has current and does nothing outside it that a capture would
-    miss. m = 72 and n = 1000 make A one that Triton's TMA kernel (column-major: its descriptor
-    is a kernel argument, captured by value) and CuTe's vector builds take."""
-    gemv = implementation(impl)
-    m, n = 72, 1000
+    miss. m = 72 and n = 400 make A one that Triton's TMA kernel (column-major: its descriptor
+    is a kernel argument, captured by value) and CuTe's vector builds take, and that no kernel
+    splits: a row block's tiles come to at most SPLIT_MIN_BYTES (two of CuTe's 64 KiB 16-bit
+    column tiles), one part's worth. Split (split_small cuts the columns of this small A),
+    the workspace comes from the graph's memory pool and both launches are captured. The
+    shape's kernel choices are checked on the CPU too; only the capture needs the GPU."""
+    if split:
+        if impl == "torch":
+            pytest.skip("torch_impl does not split")
+        request.getfixturevalue("split_small")
+    gemv = entry_point(impl)
+    m, n = 72, 400
     A, x, y = random_matrix(m, n, dtype, layout), random_vector(n, dtype), random_vector(m, dtype)
+    assert impl == "torch" or (splits_of(impl, A) > 1) == split
     if impl == "triton":
         assert triton_impl.tma_reads(A) == (layout == "col")
     if impl == "cute":
         assert cute_impl.is_vector_friendly(A, x, cute_impl.mapping(A))
+    if not ON_GPU:
+        pytest.skip("CUDA graphs need a GPU")
     gemv(ALPHA, A, x, BETA, y)  # the first call compiles and loads the kernel: no capture can
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -616,8 +632,9 @@ def kernel_bounds(alpha, A, x, beta, y, exact):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_negative_controls(layout):
     """Each kernel's bound rejects a result that dropped or doubled one term of a row (the
-    largest), a row copied from its neighbour, and one extra bfloat16 rounding of the alpha term
-    (alpha rounded to bfloat16, as a 16-bit addmv would), which torch's own bound lets through."""
+    largest), every row stored one place down (an off-by-one row index), and one extra bfloat16
+    rounding of the alpha term (alpha rounded to bfloat16, as a 16-bit addmv would), which
+    torch's own bound lets through."""
     m, n, dtype, alpha, beta = 64, 2048, torch.bfloat16, 1 + 2**-8 + 2**-20, -1.7
     A = random_matrix(m, n, dtype, layout).cpu()
     x, y = random_vector(n, dtype).cpu(), random_vector(m, dtype).cpu()
@@ -625,15 +642,17 @@ def test_negative_controls(layout):
     a32 = reference.to_float32(alpha)
     products = A.double() * x.double()
     largest = products[5].abs().argmax()
-    dropped, doubled, neighbour = exact.clone(), exact.clone(), exact.clone()
+    dropped, doubled = exact.clone(), exact.clone()
     dropped[5] -= a32 * products[5, largest]
     doubled[5] += a32 * products[5, largest]
-    neighbour[5] = exact[6]
+    # All rows, not one: a single row copied from the next passed about once in 2000 draws,
+    # when the two random values happened to lie within the row's bound of each other.
+    shifted = exact.roll(1)
     alpha_in_bfloat16 = torch.tensor(a32).bfloat16().double()
     rounded_alpha = alpha_in_bfloat16 * products.sum(1) + reference.to_float32(beta) * y.double()
     for impl, bound in kernel_bounds(alpha, A, x, beta, y, exact):
         assert_within_bound(exact.to(dtype), exact, bound, f"{impl} the exact answer")
-        for wrong in (dropped, doubled, neighbour, rounded_alpha):
+        for wrong in (dropped, doubled, shifted, rounded_alpha):
             with pytest.raises(AssertionError, match="outside the bound"):
                 assert_within_bound(wrong.to(dtype), exact, bound, impl)
     torch_bound = error_bound("torch", alpha, A, x, beta, y, exact)
@@ -654,9 +673,14 @@ def test_roundings_at_h200_sizes():
     assert triton_roundings(h200_sized(torch.bfloat16, "row")) == 0 + 15 + 10 + 2
     assert triton_roundings(h200_sized(torch.float32, "col")) == 1 + 255 + 6 + 2  # TMA tiles
     assert triton_roundings(h200_sized(torch.bfloat16, "col")) == 0 + 127 + 7 + 2
+    # 4096 x 4096 column-major: the TMA kernels' columns in 4 parts (16 or 8 steps each).
+    assert triton_roundings(h200_sized(torch.float32, "col", 4096)) == 1 + 15 + 6 + 2 + 2
+    assert triton_roundings(h200_sized(torch.bfloat16, "col", 4096)) == 0 + 7 + 7 + 2 + 2
     if cute_impl is not None:
         assert cute_roundings(h200_sized(torch.float32, "row")) == 1 + 31 + 4 + 5 + 2
         assert cute_roundings(h200_sized(torch.bfloat16, "col")) == 0 + 255 + 1 + 5 + 2
+        # 16 tiles of 256 columns in 4 parts, 4 products a lane and tile
+        assert cute_roundings(h200_sized(torch.bfloat16, "col", 4096)) == 0 + 15 + 1 + 5 + 2 + 2
     for dtype in (torch.float32, torch.bfloat16):
         for layout in LAYOUTS:
             assert triton_roundings(h200_sized(dtype, layout)) < 300
@@ -681,6 +705,127 @@ def test_grids_at_h200_sizes(dtype):
             assert column_blocks >= 256
 
 
+def splits_of(impl, A):
+    """How many parts impl's kernels cut A's columns into."""
+    if impl == "triton":
+        return triton_impl.column_split(A)[0]
+    return cute_impl.split_columns(*A.shape, A.dtype, cute_impl.mapping(A))[0]
+
+
+def grid_of(impl, A):
+    """(row blocks, column tiles, bytes of a tile, fill) of impl's kernel on A: the blocks or
+    programs down the rows, the tiles along a row block, and how many blocks its module counts
+    as filling the H200."""
+    (m, n), size = A.shape, A.element_size()
+    if impl == "triton":
+        (rows, columns), fill = triton_impl.tile_shape(A), triton_impl.FILL_PROGRAMS
+    else:
+        rows, columns, threads = cute_impl.block_geometry(A.dtype, cute_impl.mapping(A))
+        fill = cute_impl.FILL_THREADS // threads
+    return -(-m // rows), -(-n // columns), rows * columns * size, fill
+
+
+# Column-major A at the sizes of the issue (x cuBLAS on the H200 before the split: Triton
+# 0.70-0.71 at 4096^2, 0.86 bfloat16 at 8192^2; CuTe 0.74-0.86 at 4096^2): (impl, dtype, size)
+# -> parts. 16384^2, and row-major A at all three sizes, fill the GPU unsplit.
+COLUMN_SPLITS = {
+    ("triton", torch.float32, 4096): 4, ("triton", torch.float32, 8192): 2,
+    ("triton", torch.bfloat16, 4096): 4, ("triton", torch.bfloat16, 8192): 2,
+    ("cute", torch.float32, 4096): 2, ("cute", torch.float32, 8192): 1,
+    ("cute", torch.bfloat16, 4096): 4, ("cute", torch.bfloat16, 8192): 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+def test_split_rule(impl):
+    """The split rule on the H200 sizes (COLUMN_SPLITS), then on random shapes: a power of two
+    of at most MAX_SPLITS parts that keeps the grid within its fill and each part at
+    SPLIT_MIN_BYTES of A on average, and the largest such (twice as many would break one of
+    these limits)."""
+    if impl == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    module = triton_impl if impl == "triton" else cute_impl
+    for dtype in (torch.float32, torch.bfloat16):
+        for size in (4096, 8192, 16384):
+            assert splits_of(impl, h200_sized(dtype, "row", size)) == 1
+            expected = COLUMN_SPLITS.get((impl, dtype, size), 1)
+            assert splits_of(impl, h200_sized(dtype, "col", size)) == expected, (dtype, size)
+    generator = torch.Generator().manual_seed(13)
+    for _ in range(300):
+        m, n = (int(2 ** (18 * torch.rand((), generator=generator))) for _ in range(2))
+        dtype = DTYPES[int(torch.randint(3, (), generator=generator))]
+        row_major = torch.empty(m, n, dtype=dtype, device="meta")
+        for A in (row_major, row_major.T):
+            splits = splits_of(impl, A)
+            row_blocks, tiles, tile_bytes, fill = grid_of(impl, A)
+            parts_fit = tiles * tile_bytes // module.SPLIT_MIN_BYTES  # parts of enough bytes
+            assert splits & (splits - 1) == 0 and splits <= module.MAX_SPLITS
+            assert splits == 1 or (row_blocks * splits <= fill and splits <= parts_fit)
+            twice = 2 * splits
+            assert row_blocks * twice > fill or twice > parts_fit or twice > module.MAX_SPLITS
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("size", [4096, 8192])
+def test_split_grids_fill_the_gpu(impl, size):
+    """At m = n = 4096 and 8192, of either layout and dtype, every kernel's grid (row blocks
+    times parts) holds at least half its fill: no SM is left without a block."""
+    if impl == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    for dtype in (torch.float32, torch.bfloat16):
+        for layout in LAYOUTS:
+            A = h200_sized(dtype, layout, size)
+            row_blocks, _, _, fill = grid_of(impl, A)
+            assert row_blocks * splits_of(impl, A) >= fill // 2, (dtype, layout)
+
+
+@pytest.fixture
+def split_small(monkeypatch):
+    """Split small matrices too: any part of A is big enough (SPLIT_MIN_BYTES = 1), so the
+    shapes the CPU can run take the split path, Triton's up to MAX_SPLITS parts with the last
+    ones empty. CuTe compiles a build per part count (about a second each), so its parts stop
+    at 4. The bounds read the same constants, through *_roundings."""
+    monkeypatch.setattr(triton_impl, "SPLIT_MIN_BYTES", 1)
+    if cute_impl is not None:
+        monkeypatch.setattr(cute_impl, "SPLIT_MIN_BYTES", 1)
+        monkeypatch.setattr(cute_impl, "MAX_SPLITS", 4)
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 700), (37, 300), (64, 1000), (130, 2049)], ids=str)
+def test_split_matches_reference(split_small, impl, layout, dtype, shape):
+    """The split path against the reference, within the bound of its tree: fewer column steps
+    in a lane, log2(splits) levels more. y is a strided view inside a NaN guard (every element
+    written, nothing around it); a second run gives the same bits; beta = 0 does not read y.
+    64 x 1000 column-major takes Triton's TMA kernel, the other shapes its pointer kernel."""
+    m, n = shape
+    A, x = random_matrix(m, n, dtype, layout), random_vector(n, dtype)
+    assert splits_of(impl, A) > 1
+    y, y_buffer = guarded(random_vector(m, dtype), 2)
+    y_before = y.clone()
+    check(impl, ALPHA, A, x, BETA, y, f"{layout}, {splits_of(impl, A)} parts")
+    untouched = torch.ones_like(y_buffer, dtype=torch.bool)
+    untouched[MARGIN : MARGIN + 2 * m : 2] = False
+    assert y_buffer[untouched].isnan().all(), "an element outside y was written"
+    again = y_before.clone()
+    implementation(impl)(ALPHA, A, x, BETA, again)
+    assert_same_bits(again, y, "a second run")
+    check(impl, ALPHA, A, x, 0.0, torch.full_like(y_before, float("nan")), "beta = 0")
+
+
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", ["nan in A", "inf - inf", "inf * 0", "subnormal"])
+def test_split_special_values(split_small, impl, layout, case):
+    """NaN and infinities reach y through the parts' tree as IEEE says; with 300 columns in
+    parts of one step, inf - inf meets only in the tree over the parts."""
+    A, x, y = special_case(case, 50, 300, torch.float32, layout)
+    assert splits_of(impl, A) > 1
+    check(impl, ALPHA, A, x, BETA, y, case)
+
+
 # Compiles triton_impl's kernel for sm_90 without a GPU and prints, per dtype and layout, how
 # many 128-bit global loads its PTX has, for a contiguous A and for one whose stride along the
 # contiguous dimension is not known to be 1 (the control). Run in a child process, because
@@ -695,14 +840,14 @@ import triton_impl
 
 def vector_loads(dtype, layout, a_contiguous):
     block_m, block_n, warps = triton_impl.TILES[layout, dtype.itemsize]
-    constexprs = {"READ_A": True, "READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "LOG2_BLOCK_N": block_n.bit_length() - 1, "HALVES": layout == "col",
-                  "stride_x": 1, "stride_y": 1}
+    constexprs = {"READ_A": True, "READ_Y": True, "SPLIT": False, "BLOCK_M": block_m,
+                  "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1,
+                  "HALVES": layout == "col", "stride_x": 1, "stride_y": 1}
     if a_contiguous:
         constexprs["stride_an" if layout == "row" else "stride_am"] = 1
     element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     kinds = {"a_ptr": "*" + element, "x_ptr": "*" + element, "y_ptr": "*" + element,
-             "alpha": "fp32", "beta": "fp32"}
+             "partials_ptr": "*fp32", "alpha": "fp32", "beta": "fp32"}
     names = triton_impl.gemv_kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
                  for name in names}
@@ -717,34 +862,55 @@ def vector_loads(dtype, layout, a_contiguous):
     compiled = triton.compile(source, target=target, options=options)
     return compiled.asm["ptx"].count("ld.global.v4")
 
-def tma_pipeline(dtype):
+def tma_pipeline(dtype, split):
     block_m, block_n, warps, stages = triton_impl.TMA_TILES[dtype.itemsize]
-    constexprs = {"READ_Y": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
+    constexprs = {"READ_Y": True, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n,
                   "LOG2_BLOCK_N": block_n.bit_length() - 1, "NUM_STAGES": stages,
                   "stride_x": 1, "stride_y": 1}
     element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     kinds = {"a_tiles": f"tensordesc<{element}[{block_n}, {block_m}]>", "x_ptr": "*" + element,
-             "y_ptr": "*" + element, "alpha": "fp32", "beta": "fp32"}
+             "y_ptr": "*" + element, "partials_ptr": "*fp32", "alpha": "fp32", "beta": "fp32"}
     names = triton_impl.gemv_tma_kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
                  for name in names}
     source = ASTSource(triton_impl.gemv_tma_kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
-    return [compiled.asm["ptx"].count("cp.async.bulk.tensor"), compiled.metadata.shared]
+    ptx = compiled.asm["ptx"]
+    # Split, the row sums go to the float32 partials instead of y: a store of 32 bits.
+    return [ptx.count("cp.async.bulk.tensor"), compiled.metadata.shared,
+            ptx.count("st.global.b32") + ptx.count("st.global.v4.b32")]
+
+def sum_splits(dtype, splits):
+    constexprs = {"READ_Y": True, "BLOCK_M": triton_impl.SUM_BLOCK_M, "SPLITS": splits,
+                  "LOG2_SPLITS": splits.bit_length() - 1, "stride_y": 1}
+    element = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    kinds = {"partials_ptr": "*fp32", "y_ptr": "*" + element, "alpha": "fp32", "beta": "fp32"}
+    names = triton_impl.sum_splits_kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in names}
+    source = ASTSource(triton_impl.sum_splits_kernel, signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": triton_impl.SUM_WARPS})
+    return compiled.asm["ptx"].count("ld.global")
 
 loads = {f"{dtype} {layout}": [vector_loads(getattr(torch, dtype), layout, contiguous)
                                for contiguous in (True, False)]
          for dtype in ("float32", "bfloat16") for layout in ("row", "col")}
-tma = {f"{dtype} tma": tma_pipeline(getattr(torch, dtype)) for dtype in ("float32", "bfloat16")}
-print(json.dumps(loads | tma))
+tma = {f"{dtype} tma{' split' * split}": tma_pipeline(getattr(torch, dtype), split)
+       for dtype in ("float32", "bfloat16") for split in (False, True)}
+sums = {f"{dtype} sum_splits {splits}": sum_splits(getattr(torch, dtype), splits)
+        for dtype in ("float32", "bfloat16") for splits in (2, triton_impl.MAX_SPLITS)}
+print(json.dumps(loads | tma | sums))
 """
 
 
 @pytest.fixture(scope="module")
 def triton_loads():
     """{'dtype layout': [128-bit loads for a contiguous A, for the control],
-    'dtype tma': [bulk tensor copies, shared memory bytes] of the TMA kernel}"""
+    'dtype tma' and 'dtype tma split': [bulk tensor copies, shared memory bytes, 32-bit global
+    stores] of the TMA kernel unsplit and split, 'dtype sum_splits s': global loads of
+    sum_splits_kernel over s parts}"""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run(
         [sys.executable, "-c", TRITON_PTX_SCRIPT],
@@ -771,10 +937,24 @@ def test_triton_tma_pipeline(triton_loads, dtype):
     ring of shared-memory buffers: enough for num_stages - 1 tiles in flight beside the one
     being summed, so the loop really is pipelined (a plain range with the launch's num_stages
     compiled to a single buffer)."""
-    copies, shared = triton_loads[f"{str(dtype)[6:]} tma"]
     block_m, block_n, _, stages = triton_impl.TMA_TILES[dtype.itemsize]
-    assert copies >= 2
-    assert shared >= (stages - 1) * block_m * block_n * dtype.itemsize
+    for variant in ("tma", "tma split"):
+        copies, shared, _ = triton_loads[f"{str(dtype)[6:]} {variant}"]
+        assert copies >= 2, variant
+        assert shared >= (stages - 1) * block_m * block_n * dtype.itemsize, variant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_split_builds(triton_loads, dtype):
+    """The split TMA kernel stores float32 row sums (32-bit stores, none in the bfloat16 unsplit
+    build, which stores y), and sum_splits_kernel compiles for sm_90 from 2 up to MAX_SPLITS
+    parts."""
+    name = str(dtype)[6:]
+    assert triton_loads[f"{name} tma split"][2] > 0
+    if dtype == torch.bfloat16:
+        assert triton_loads[f"{name} tma"][2] == 0
+    for splits in (2, triton_impl.MAX_SPLITS):
+        assert triton_loads[f"{name} sum_splits {splits}"] >= 1
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
@@ -792,6 +972,22 @@ def test_cute_ptx(layout, dtype):
     shuffles = layout == "row"
     assert ("bar.sync" in vector) != shuffles and ("bar.sync" in scalar) != shuffles
     assert ("shfl.sync.bfly" in vector) == shuffles and ("shfl.sync.bfly" in scalar) == shuffles
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cute_split_ptx(layout, dtype):
+    """A split build compiles for sm_90a to two kernels, the parts' one with the unsplit
+    build's 128-bit loads of A, and sum_splits_kernel; the unsplit build has one. Every kernel
+    stores to global memory (y, or the parts' row sums): a kernel that keeps its row sums in
+    shared memory would leave y unwritten, which no CPU run would see."""
+    unsplit, split = (cute_impl.ptx_of(dtype, layout, True, splits=s) for s in (1, 4))
+    assert unsplit.count(".entry") == 1 and split.count(".entry") == 2
+    for kernel in [*unsplit.split(".entry")[1:], *split.split(".entry")[1:]]:
+        assert "st.global" in kernel, kernel.split("(")[0]
+    assert "sum_splits_kernel" in split and "sum_splits_kernel" not in unsplit
+    assert split.count(".v4") == unsplit.count(".v4")
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")

@@ -34,6 +34,12 @@ hold only as many bytes in flight as there are registers to land them in; at 163
 bfloat16 the pointer kernel reached 83% of the copy bandwidth and the TMA kernel 93%, 95.5%
 once its lanes were folded in halves (README.md). `tile_shape(A)` gives the tile of the kernel
 A takes.
+
+A matrix of few row blocks (column-major 4096 x 4096: 64 TMA programs for 132 SMs) would leave
+most of the GPU idle, so the columns are split too (`split_columns`): program (p, s) sums part s
+of its rows' columns and stores the float32 row sums of that part in a workspace, and
+`sum_splits_kernel` adds each row's parts in a fixed pairwise tree and finishes the row. The
+parts depend on (m, n) and the dtype alone, so the bits do too.
 """
 
 import contextlib
@@ -74,6 +80,17 @@ TILES = {
 # 32 x 128: 97.5%. Both take 2 programs an SM at m = 16384 (256 in all), 48 KiB of shared
 # memory each.
 TMA_TILES = {4: (64, 64, 4, 4), 2: (64, 128, 4, 4)}
+# Splitting the columns. A grid of fewer programs than FILL_PROGRAMS, about two for each of the
+# H200's 132 SMs (what the tiles were tuned with: 256 TMA programs at m = 16384), has its columns
+# split into the most parts, a power of two, that keep the grid within FILL_PROGRAMS and give
+# each part at least SPLIT_MIN_BYTES of A: a part's stream must outlast the second pass's start.
+# A constant rather than the device's SM count, so that the parts, and with them the bits of y,
+# depend only on the shape. At most MAX_SPLITS parts: sum_splits_kernel's tree has at most
+# log2(MAX_SPLITS) levels and its SUM_BLOCK_M x MAX_SPLITS tile stays in registers.
+FILL_PROGRAMS = 2 * 132
+SPLIT_MIN_BYTES = 128 * 1024
+MAX_SPLITS = 64
+SUM_BLOCK_M, SUM_WARPS = 64, 4
 # The TMA unit's requirements: a 16-byte aligned base and row stride of A.T, coordinates in 32
 # bits.
 TMA_ALIGN = 16
@@ -105,6 +122,22 @@ def tile_shape(A):
     if tma_reads(A):
         return TMA_TILES[A.element_size()][:2]
     return TILES[mapping(A), A.element_size()][:2]
+
+
+def split_columns(m, n, block_m, block_n, element_size):
+    """(splits, column steps per split) for an (m, n) A in tiles of block_m x block_n elements:
+    how many parts the columns are cut into, and how many column steps each part takes (the last
+    may take fewer). splits is a power of two, 1 when the row blocks alone fill the GPU."""
+    row_blocks, steps = -(-m // block_m), -(-n // block_n)
+    tile_bytes = block_m * block_n * element_size
+    most = min(FILL_PROGRAMS // row_blocks, steps * tile_bytes // SPLIT_MIN_BYTES, MAX_SPLITS)
+    splits = 1 << (most.bit_length() - 1) if most > 1 else 1
+    return splits, -(-steps // splits)
+
+
+def column_split(A):
+    """(splits, column steps per split) of the kernels gemv runs on A: what the bound needs."""
+    return split_columns(*A.shape, *tile_shape(A), A.element_size())
 
 
 @triton.jit
@@ -141,48 +174,67 @@ def finish_rows(y_ptr, offs_m, row_in, stride_y, result, beta, READ_Y: tl.conste
 
 
 @triton.jit
+def store_row_sums(partials_ptr, y_ptr, m, offs_m, row_in, stride_y, row_sums, alpha, beta,
+                   READ_Y: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Split: store this part's row sums at partials[part, row] for sum_splits_kernel. Else
+    finish the rows: y_i = alpha * s_i + beta * y_i."""
+    if SPLIT:
+        tl.store(partials_ptr + tl.program_id(1) * m + offs_m, row_sums, mask=row_in)
+    else:
+        finish_rows(y_ptr, offs_m, row_in, stride_y, alpha * row_sums, beta, READ_Y)
+
+
+@triton.jit
 def gemv_kernel(
-    a_ptr, x_ptr, y_ptr, m, n, stride_am, stride_an, stride_x, stride_y, alpha, beta,
-    READ_A: tl.constexpr, READ_Y: tl.constexpr,
+    a_ptr, x_ptr, y_ptr, partials_ptr, m, n, split_cols, stride_am, stride_an, stride_x, stride_y,
+    alpha, beta, READ_A: tl.constexpr, READ_Y: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
+    """Program (p, s) sums rows p BLOCK_M .. of A over the columns of part s, split_cols of them
+    (a multiple of BLOCK_N; at least n when the columns are not split)."""
     pid = tl.program_id(0).to(tl.int64)  # 64-bit offsets: A may hold 2**31 elements and more
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = offs_m < m
-    result = tl.zeros([BLOCK_M], dtype=tl.float32)
     # "Not read" is a compile-time choice: the alpha == 0 variant has no load of A or x at all.
-    if READ_A:
+    if not READ_A:
+        finish_rows(y_ptr, offs_m, row_in, stride_y, tl.zeros([BLOCK_M], tl.float32), beta, READ_Y)
+    else:
         row_ptrs = a_ptr + offs_m[:, None] * stride_am
         lanes = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        cols_start = tl.program_id(1).to(tl.int64) * split_cols
+        cols_stop = tl.minimum(cols_start + split_cols, n)
         # Full column steps mask only the rows. That mask is constant along a row, so it does
         # not stop the compiler from merging a row-major row into 16-byte loads; in a
         # column-major tile it runs along the contiguous dimension and is constant over 16
         # rows when m is a multiple of 16, which is also when the columns start 16-byte
         # aligned. The columns of the last step, when partial, pay for their own mask.
-        full_cols_stop = n // BLOCK_N * BLOCK_N
-        for col_start in range(0, full_cols_stop, BLOCK_N):
+        # A part that starts past n (parts of ceil(steps / splits) steps can leave the last
+        # ones empty) takes no step and stores zeros.
+        full_cols_stop = tl.maximum(cols_start, tl.minimum(cols_stop, n // BLOCK_N * BLOCK_N))
+        for col_start in range(cols_start, full_cols_stop, BLOCK_N):
             offs_n = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
             a = tl.load(row_ptrs + offs_n[None, :] * stride_an, mask=row_in[:, None], other=0.0)
             x = tl.load(x_ptr + offs_n * stride_x)
             # Widening is exact, and so is the product of two widened 16-bit values; on the
             # GPU each multiply and add fuse into one FMA.
             lanes += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        if full_cols_stop < n:
+        if full_cols_stop < cols_stop:
             offs_n = (full_cols_stop + tl.arange(0, BLOCK_N)).to(tl.int64)
             col_in = offs_n < n
             in_bounds = row_in[:, None] & col_in[None, :]
             a = tl.load(row_ptrs + offs_n[None, :] * stride_an, mask=in_bounds, other=0.0)
             x = tl.load(x_ptr + offs_n * stride_x, mask=col_in, other=0.0)
             lanes += a.to(tl.float32) * x.to(tl.float32)[None, :]  # lanes past n add 0
-        result = alpha * pairwise_sum_rows(lanes, LOG2_BLOCK_N, HALVES)
-    finish_rows(y_ptr, offs_m, row_in, stride_y, result, beta, READ_Y)
+        row_sums = pairwise_sum_rows(lanes, LOG2_BLOCK_N, HALVES)
+        store_row_sums(partials_ptr, y_ptr, m, offs_m, row_in, stride_y, row_sums, alpha, beta,
+                       READ_Y, SPLIT)  # fmt: skip
 
 
 @triton.jit
 def gemv_tma_kernel(
-    a_tiles, x_ptr, y_ptr, m, n, stride_x, stride_y, alpha, beta,
-    READ_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    a_tiles, x_ptr, y_ptr, partials_ptr, m, n, split_cols, stride_x, stride_y, alpha, beta,
+    READ_Y: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG2_BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """The column-major mapping with A's tiles fetched by the TMA unit. a_tiles describes A.T,
     the (n, m) row-major matrix A's columns form, in blocks of BLOCK_N columns of A by BLOCK_M
@@ -190,17 +242,36 @@ def gemv_tma_kernel(
     keeps NUM_STAGES - 1 blocks in flight while one is summed (asked for on the loop itself:
     the launch's num_stages alone left this loop unpipelined, one 16 KiB buffer). Reads past m or n
     come back as zeros. The lanes are the transposed tile: lane (j mod BLOCK_N, i), the same
-    sums in the same order as gemv_kernel with these BLOCK_M and BLOCK_N."""
+    sums in the same order as gemv_kernel with these BLOCK_M and BLOCK_N, over the columns of
+    part program_id(1) as there."""
     pid = tl.program_id(0)
     lanes = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for col_start in tl.range(0, n, BLOCK_N, num_stages=NUM_STAGES):
+    cols_start = tl.program_id(1) * split_cols  # TMA coordinates are 32-bit: n < 2**31
+    cols_stop = tl.minimum(cols_start + split_cols, n)
+    for col_start in tl.range(cols_start, cols_stop, BLOCK_N, num_stages=NUM_STAGES):
         a = a_tiles.load([col_start, pid * BLOCK_M])
         offs_n = col_start + tl.arange(0, BLOCK_N)
         x = tl.load(x_ptr + offs_n.to(tl.int64) * stride_x, mask=offs_n < n, other=0.0)
         lanes += a.to(tl.float32) * x.to(tl.float32)[:, None]
-    result = alpha * pairwise_sum_rows(tl.trans(lanes), LOG2_BLOCK_N, True)
+    row_sums = pairwise_sum_rows(tl.trans(lanes), LOG2_BLOCK_N, True)
     offs_m = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    finish_rows(y_ptr, offs_m, offs_m < m, stride_y, result, beta, READ_Y)
+    store_row_sums(partials_ptr, y_ptr, m, offs_m, offs_m < m, stride_y, row_sums, alpha, beta,
+                   READ_Y, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def sum_splits_kernel(
+    partials_ptr, y_ptr, m, stride_y, alpha, beta,
+    READ_Y: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, LOG2_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """The second pass of a split: row i's SPLITS parts partials[s, i], added by neighbours in
+    a pairwise tree of LOG2_SPLITS levels, then y_i = alpha * sum + beta * y_i, stored once."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = offs_m < m
+    offs_split = tl.arange(0, SPLITS)
+    parts = tl.load(partials_ptr + offs_split[None, :] * m + offs_m[:, None], mask=row_in[:, None])
+    result = alpha * pairwise_sum_rows(parts, LOG2_SPLITS, False)
+    finish_rows(y_ptr, offs_m, row_in, stride_y, result, beta, READ_Y)
 
 
 # The launch options of each kernel, worked out once: gemv_kernel's by mapping and element size,
@@ -312,19 +383,33 @@ def gemv(alpha, A, x, beta, y):
     if m == 0:
         return y
     alpha32, beta32 = to_float32(float(alpha)), to_float32(float(beta))
-    read_a = alpha32 != 0.0 and n > 0
-    if read_a and tma_reads(A):
-        launch = TMA_LAUNCH[A.element_size()]
-        with device:
-            gemv_tma_kernel[(-(-m // launch["BLOCK_M"]),)](
-                a_tiles(A), x, y, m, n, x.stride(0), y.stride(0), alpha32, beta32,
-                READ_Y=beta32 != 0.0, **launch,
-            )  # fmt: skip
-        return y
-    launch = POINTER_LAUNCH[mapping(A), A.element_size()]
+    read_a, read_y = alpha32 != 0.0 and n > 0, beta32 != 0.0
+    tma = read_a and tma_reads(A)
+    launch = TMA_LAUNCH[A.element_size()] if tma else POINTER_LAUNCH[mapping(A), A.element_size()]
+    splits, split_cols = 1, n  # one part of all n columns (alpha == 0: none is read)
+    if read_a:
+        block_m, block_n = launch["BLOCK_M"], launch["BLOCK_N"]
+        splits, split_steps = split_columns(m, n, block_m, block_n, A.element_size())
+        split_cols = split_steps * block_n
+    # The parts' row sums, per call from torch's caching allocator (calls on different streams
+    # may run side by side); unsplit, the kernel stores none and y stands in for the pointer.
+    partials = torch.empty((splits, m), dtype=torch.float32, device=y.device) if splits > 1 else y
+    grid = (-(-m // launch["BLOCK_M"]), splits)
     with device:
-        gemv_kernel[(-(-m // launch["BLOCK_M"]),)](
-            A, x, y, m, n, *A.stride(), x.stride(0), y.stride(0), alpha32, beta32,
-            READ_A=read_a, READ_Y=beta32 != 0.0, **launch,
-        )  # fmt: skip
+        if tma:
+            gemv_tma_kernel[grid](
+                a_tiles(A), x, y, partials, m, n, split_cols, x.stride(0), y.stride(0), alpha32,
+                beta32, READ_Y=read_y, SPLIT=splits > 1, **launch,
+            )  # fmt: skip
+        else:
+            gemv_kernel[grid](
+                A, x, y, partials, m, n, split_cols, *A.stride(), x.stride(0), y.stride(0), alpha32,
+                beta32, READ_A=read_a, READ_Y=read_y, SPLIT=splits > 1, **launch,
+            )  # fmt: skip
+        if splits > 1:
+            sum_splits_kernel[(-(-m // SUM_BLOCK_M),)](
+                partials, y, m, y.stride(0), alpha32, beta32, READ_Y=read_y,
+                BLOCK_M=SUM_BLOCK_M, SPLITS=splits, LOG2_SPLITS=splits.bit_length() - 1,
+                num_warps=SUM_WARPS,
+            )  # fmt: skip
     return y
