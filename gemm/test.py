@@ -195,6 +195,7 @@ def check(impl, alpha, A, B, beta, C, what="", allow_tf32=False):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_matches_reference(impl, layout, dtype, shape):
     m, n, k = shape
     A, B, C = operands(m, n, k, dtype, layout)
@@ -212,6 +213,14 @@ def sm_count(monkeypatch):
 
     yield set_count
     triton_impl.configuration.cache_clear()
+
+
+@pytest.fixture
+def tma_at_any_size(monkeypatch):
+    """TMA takes tensor-core work of any size for the rest of the test (TMA_MIN_VOLUME set to
+    0), so that the interpreter's small shapes run the TMA and staged kernels, which the real
+    rule keeps for larger products (test_tma_min_volume)."""
+    monkeypatch.setattr(triton_impl, "TMA_MIN_VOLUME", 0)
 
 
 class LaunchRecorder:
@@ -242,6 +251,7 @@ def record_launches(monkeypatch):
 @pytest.mark.parametrize("aligned", [False, True], ids=["any rows", "16-byte rows"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_large_tiles(monkeypatch, aligned, layout, dtype):
     """The large configurations (128 x 256 and 128 x 128 on the tensor cores, 128 x 64 for IEEE
     float32), which the rule picks only for a C of 132 tiles or more (too big for the
@@ -275,6 +285,7 @@ def test_grouped_order(impl):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_tma_path(sm_count, monkeypatch, layout, dtype):
     """Operands whose rows, or (transposed) columns, are 16-byte aligned take the persistent
     TMA kernel on the tensor cores in all four layouts: 16-bit data, and float32 with TF32
@@ -308,6 +319,7 @@ def test_tma_path(sm_count, monkeypatch, layout, dtype):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_staged_path(monkeypatch, layout, dtype):
     """k = 41 and n = 27 give rows (or columns) of 82 and 54 bytes in 16-bit data (164 and 108
     in float32): TMA cannot fetch A or B. With the copy worth it (STAGE_MIN_REUSE lowered to
@@ -337,6 +349,39 @@ def test_staged_path(monkeypatch, layout, dtype):
     monkeypatch.setattr(triton_impl, "STAGE_MIN_REUSE", n + 1)  # A's n = 27 products: too few
     assert triton_impl.choose_path(A, B, tensor_cores) == "pointer"
     assert triton_impl.choose_path(A_aligned, B, tensor_cores) == path
+
+
+def test_tma_min_volume(monkeypatch):
+    """The real rule: tensor-core work of m n k < TMA_MIN_VOLUME takes the pointer kernel even
+    when TMA could fetch its operands (1024^3, the decode steps of a 4096 x 4096 weight, k split
+    as before), and is never staged; from TMA_MIN_VOLUME on (1536^3 either side of its edge,
+    2048^3, 128 x 4096 x 11008) the TMA kernel takes it, staged where TMA cannot fetch an
+    operand. IEEE float32 stays on the pointer kernel at every size, TF32 does not. The values
+    are never read, and a small aligned call launches the pointer kernel."""
+    dispatch = {
+        (1024, 1024, 1024, "NN"): "pointer", (1024, 1024, 1023, "NN"): "pointer",
+        (1536, 1536, 1528, "NN"): "pointer", (1536, 1536, 1536, "NN"): "tma",
+        (2048, 2048, 2048, "NN"): "tma", (2048, 2048, 2047, "NN"): "staged",
+        (1, 4096, 4096, "NT"): "pointer", (128, 4096, 4096, "NT"): "pointer",
+        (128, 4096, 11008, "NT"): "tma", (128, 4096, 11007, "NT"): "pointer",
+    }  # fmt: skip
+    assert 1536 * 1536 * 1528 < triton_impl.TMA_MIN_VOLUME <= 1536**3  # its edge, both sides
+    for (m, n, k, layout), path in dispatch.items():
+        A = torch.empty(m, k, dtype=torch.bfloat16)
+        B = torch.empty(n, k, dtype=torch.bfloat16).T if layout == "NT" else A.new_empty(k, n)
+        assert triton_impl.choose_path(A, B, True) == path, (m, n, k)
+    for m in (1, 128):  # one row of tiles of 4096 / 128 = 32: four ranges of k, either kernel
+        assert triton_impl.configuration(m, 4096, 4096, torch.bfloat16)["SPLITS"] == 4
+    A, B = torch.empty(2048, 2048), torch.empty(2048, 2048)
+    assert (triton_impl.choose_path(A, B, False), triton_impl.choose_path(A, B, True)) == (
+        "pointer",
+        "tma",
+    )
+    launched = record_launches(monkeypatch)
+    A, B, C = operands(64, 64, 32, torch.bfloat16, "NN")
+    assert triton_impl.tma_ready(A) and triton_impl.tma_ready(B)
+    check("triton", ALPHA, A, B, BETA, C, "below TMA_MIN_VOLUME")
+    assert launched == ["gemm_kernel"]
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "column-major"])
@@ -413,6 +458,7 @@ def test_split_rule():
 @pytest.mark.parametrize("m", [1, 7, 64, 128])
 @pytest.mark.parametrize("k", [1024, 1001])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_split_k(monkeypatch, m, k, dtype):
     """Decode-shaped NT calls (m token rows, W = B.T of 40 x k): one row of tiles, k split four
     ways (16-bit) or eight (float32's shorter k steps), on the TMA kernel for 16-bit and TF32
@@ -480,6 +526,7 @@ def test_views_inside_guard(impl, dtype, layout, c_transposed):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_zero_scalars_do_not_read(impl, dtype):
     """beta == 0 ignores NaN in C; alpha == 0 ignores NaN in A and B (C = beta*C); both zero
     give +0 without reading anything."""
@@ -571,6 +618,7 @@ def test_repeatability(impl, dtype):
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_cuda_graph_replays_the_eager_call(impl, dtype):
     """Captured in a CUDA graph (as a decode loop would run it), the in-place call replays on
     fresh A, B and C with the bits of an eager call on a copy of the same C: the launcher works
@@ -603,6 +651,7 @@ def test_cuda_graph_replays_the_eager_call(impl, dtype):
     "path, shape",
     [("tma", (16, 264, 2048)), ("pointer", (16, 264, 2047)), ("staged", (1100, 1030, 131))],
 )
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_cuda_graph_replays_triton_paths(path, shape):
     """Triton's split launches (eight ranges of k: partials from the caching allocator, counts
     zeroed inside the capture) and its staged launch (the aligned copies captured with it)
@@ -719,8 +768,9 @@ def facts(kernel_name, dtype, precision, layout, m, n, k):
     element = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     constexprs = {"READ_AB": True, "READ_C": True, "INPUT_PRECISION": precision, "UPCAST": False,
                   "GROUP_M": triton_impl.GROUP_M, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                  "SPLITS": splits, "A_TRANSPOSED": a_t, "B_TRANSPOSED": b_t,
-                  "stride_ak": 1, "stride_bn": 1, "stride_cn": 1}  # the pointer kernel: NN
+                  "SPLITS": splits, "A_TRANSPOSED": a_t, "B_TRANSPOSED": b_t, "stride_cn": 1,
+                  # the pointer kernel's stride-1 dimension of A and of B
+                  "stride_am" if a_t else "stride_ak": 1, "stride_bk" if b_t else "stride_bn": 1}
     if splits == 1:
         constexprs.update(partials_ptr=None, counters_ptr=None)
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
@@ -750,6 +800,7 @@ builds += [("gemm_tma_kernel", dtype, precision, layout, 4096, 4096, 4096)
            for dtype, precision in TENSOR_CORES for layout in ("NN", "NT", "TN", "TT")]
 builds += [("gemm_tma_kernel", "bfloat16", "ieee", "NT", m, 4096, 4096) for m in (1, 64)]
 builds += [("gemm_kernel", "float32", "ieee", "NN", 1, 4096, 4096)]
+builds += [("gemm_kernel", "bfloat16", "ieee", "NT", m, 4096, 4096) for m in (1, 64)]
 print(json.dumps({" ".join(map(str, build)): facts(*build) for build in builds}))
 """
 
@@ -760,7 +811,7 @@ def test_triton_ptx():
     kernel compiles in all four layouts for each tensor-core type, with TMA copies. A split
     launch has one atomic, the count, after a barrier that follows its partial stores, and
     reads the partials from L2; a decode tile of 16 rows runs on mma.sync (wgmma's tile is 64
-    rows), one of 64 rows on wgmma."""
+    rows), one of 64 rows on wgmma, on either kernel."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run(
         [sys.executable, "-c", TRITON_PTX_SCRIPT],
@@ -844,6 +895,7 @@ def launch_key_cases():
     yield ALPHA, A, torch.empty(64, 32, device=DEVICE), BETA, C, False
 
 
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_launch_key_holds_tritons(monkeypatch):
     """Two of gemm's launches with one key (the kernel, specialisation() of the arguments the
     caller names, the constants) have one Triton key (its binder's specialisation and options):
@@ -967,6 +1019,7 @@ def record_direct_launches():
      ("pointer", (16, 264, 2047), "NT")],
     ids=str,
 )  # fmt: skip
+@pytest.mark.usefixtures("tma_at_any_size")
 def test_direct_launch_gives_tritons_bits(monkeypatch, path, shape, layout):
     """Each path, split and not: the first call goes through kernel[grid], the second straight to
     the compiled kernel, a third through kernel[grid] again (a launch hook is set): one set of
@@ -1237,12 +1290,16 @@ def test_large_against_float64(impl, layout, dtype):
 @pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
 @pytest.mark.parametrize("m", [1, 16, 64, 128])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008)], ids=str)
-def test_triton_decode_against_float64(m, n, k):
-    """The 7B decode shapes, NT bf16 (x @ W.T): k split over the SMs on the TMA kernel, within
-    the bound with the split's additions against float64_gemm; twenty runs, whose programs
-    arrive in whatever order, give the same bits; the counts end at 0."""
+@pytest.mark.parametrize("path", ["pointer", "tma"])
+def test_triton_decode_against_float64(monkeypatch, m, n, k, path):
+    """The 7B decode shapes, NT bf16 (x @ W.T): k split over the SMs on each kernel (the real
+    rule sends the products under TMA_MIN_VOLUME to the pointer kernel, larger ones to TMA;
+    the other is forced), within the bound with the split's additions against float64_gemm;
+    twenty runs, whose programs arrive in whatever order, give the same bits; the counts end
+    at 0."""
+    monkeypatch.setattr(triton_impl, "TMA_MIN_VOLUME", 0 if path == "tma" else float("inf"))
     A, B, C = operands(m, n, k, torch.bfloat16, "NT")
-    assert triton_impl.choose_path(A, B, True) == "tma"
+    assert triton_impl.choose_path(A, B, True) == path
     assert triton_impl.configuration(m, n, k, torch.bfloat16)["SPLITS"] > 1
     exact = float64_gemm(ALPHA, A, B, BETA, C)
     bound = error_bound("triton", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))

@@ -25,12 +25,13 @@ gemm_tma_kernel  persistent: each program walks units p, p + programs, ...; A an
                  matrix and its tile transposed in shared memory (`load_tile`), which wgmma
                  reads either way, so NN, NT, TN and TT all take it.
 
-`choose_path` sends tensor-core work to the TMA kernel when TMA can fetch both operands, through
-an aligned copy of the operand(s) it cannot fetch when the copy is cheap against the product
-("staged"), and everything else to the pointer kernel. No addition depends on timing: the same
-inputs give the same bits on every run. `launch` starts either kernel: through kernel[grid] at
-the first call of a specialisation, straight to the compiled kernel after (README.md, "The
-host path").
+`choose_path` sends tensor-core work of TMA_MIN_VOLUME = m n k or more to the TMA kernel when TMA
+can fetch both operands, through an aligned copy of the operand(s) it cannot fetch when the copy
+is cheap against the product ("staged"), and everything else to the pointer kernel: below that
+volume, decode steps included, the pointer kernel is as fast on the GPU and cheaper to launch.
+No addition depends on timing: the same inputs give the same bits on every run. `launch` starts
+either kernel: through kernel[grid] at the first call of a specialisation, straight to the
+compiled kernel after (README.md, "The host path").
 """
 
 import contextlib
@@ -88,6 +89,13 @@ ROW_TILES = {
 # tiles, and a term's sum gains SPLITS - 1 additions.
 MIN_SPLIT_STEPS = 4
 MAX_SPLITS = 8
+# Tensor-core work of m n k < TMA_MIN_VOLUME goes to the pointer kernel even where TMA can fetch
+# its operands. Measured on the H200 (bf16, CUDA-graph times, README.md's tuning log), pointer
+# against TMA: 1024^3 NN 8.5 us against 9.9, 1, 16 and 64 x 4096 x 4096 NT 9.4-12.1 against
+# 10.4-14.7 (all 1.1e9 or less), 128 x 4096 x 11008 NT (5.8e9) 40.1 against 39.2, 2048^3 (8.6e9)
+# 37.1 against 29.2; and the pointer call skips two descriptors on the host (about 5 us). The
+# crossover lies between 1024^3 and 2048^3; TMA_MIN_VOLUME is halfway on a side, 1536^3 (3.6e9).
+TMA_MIN_VOLUME = 1536**3
 # Stage an operand TMA cannot fetch (an aligned copy, then TMA) when each of its elements feeds
 # at least STAGE_MIN_REUSE products: the copy reads and writes 2 s bytes an element at about
 # 3.5 TB/s, the product does 2 * reuse flops with it at about 650 TFLOP/s, so for 16-bit data
@@ -358,18 +366,19 @@ def aligned_copy(t):
 
 
 def choose_path(A, B, tensor_cores):
-    """Which kernel takes the call: "tma" when the work is for the tensor cores and TMA can
-    fetch A and B as they are; "staged" when it can fetch each one that it cannot after an
-    aligned copy worth its cost (the operand's elements each feed STAGE_MIN_REUSE products or
-    more: n for A, m for B); else "pointer". The copy costs 2 s bytes of traffic per element:
-    at 4097 x 5121 x 3079 bf16 NN, A and B are 56.7 MB, 113 MB moved, about 30 us at 3.5 TB/s
-    against about 200 us for the product on the tensor cores."""
-    if not tensor_cores:
+    """Which kernel takes the call: "pointer" unless the work is for the tensor cores and of
+    TMA_MIN_VOLUME = m n k or more; then "tma" when TMA can fetch A and B as they are; "staged"
+    when it can fetch each one that it cannot after an aligned copy worth its cost (the
+    operand's elements each feed STAGE_MIN_REUSE products or more: n for A, m for B); else
+    "pointer". The copy costs 2 s bytes of traffic per element: at 4097 x 5121 x 3079 bf16 NN,
+    A and B are 56.7 MB, 113 MB moved, about 30 us at 3.5 TB/s against about 200 us for the
+    product on the tensor cores."""
+    (m, k), n = A.shape, B.shape[1]
+    if not tensor_cores or m * n * k < TMA_MIN_VOLUME:
         return "pointer"
     a_ready, b_ready = tma_ready(A), tma_ready(B)
     if a_ready and b_ready:
         return "tma"
-    (m, _), n = A.shape, B.shape[1]
     if (a_ready or n >= STAGE_MIN_REUSE) and (b_ready or m >= STAGE_MIN_REUSE):
         return "staged"
     return "pointer"
