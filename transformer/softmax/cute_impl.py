@@ -31,6 +31,7 @@ from cute_1_two_pass import (
     tile_shape,
 )
 from reference import SoftmaxModule, as_rows, check_backward, check_forward
+from torch_impl import autograd_function, traceable_softmax
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -157,57 +158,8 @@ def softmax_backward(y, dy, dx):
     return run_on_rows("backward", (y, dy), dx)
 
 
-class SoftmaxFunction(torch.autograd.Function):
-    """softmax as an autograd.Function over the two plain functions (the eager path)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = softmax_forward(x, torch.empty_like(x))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return softmax_backward(y, dy, torch.empty_like(y))
-
-
-# The same two functions as custom ops, so torch.compile traces a model that calls them.
-@torch.library.custom_op("kernel_course::softmax_cute_forward", mutates_args=())
-def forward_op(x: torch.Tensor) -> torch.Tensor:
-    return softmax_forward(x, torch.empty_like(x))
-
-
-@torch.library.custom_op("kernel_course::softmax_cute_backward", mutates_args=())
-def backward_op(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    return softmax_backward(y, dy, torch.empty_like(y))
-
-
-@forward_op.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@backward_op.register_fake
-def _(y, dy):
-    return torch.empty_like(y)
-
-
-def save_output(ctx, inputs, output):
-    ctx.save_for_backward(output)
-
-
-def backward_of_forward_op(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return backward_op(y, dy)
-
-
-forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
-
-
-def softmax(x):
-    """softmax over x's last dimension: differentiable, and traceable by torch.compile."""
-    return forward_op(x)
+SoftmaxFunction = autograd_function(softmax_forward, softmax_backward)
+softmax = traceable_softmax("cute", softmax_forward, softmax_backward)
 
 
 class Softmax(SoftmaxModule):

@@ -8,6 +8,8 @@ undocumented order, so README.md bounds them by what holds for every order.
 `SoftmaxFunction` is the autograd.Function over the two, `softmax(x)` the function a model
 calls and `Softmax(dim)` the drop-in for torch.nn.Softmax; torch's own autograd would do the
 same, and this file is the baseline the kernels are checked and timed against.
+`autograd_function` and `traceable_softmax` build the autograd.Function and the custom ops over
+any pair of plain functions: triton_impl.py and cute_impl.py call them with theirs.
 """
 
 import torch
@@ -31,17 +33,64 @@ def softmax_backward(y, dy, dx):
     return dx
 
 
-class SoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = softmax_forward(x, torch.empty_like(x))
-        ctx.save_for_backward(y)
-        return y
+def autograd_function(forward, backward):
+    """SoftmaxFunction over a pair of plain functions (this file's, Triton's or CuTe's): the
+    eager path, saving y for the backward."""
 
-    @staticmethod
-    def backward(ctx, dy):
+    class SoftmaxFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = forward(x, torch.empty_like(x))
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            (y,) = ctx.saved_tensors
+            return backward(y, dy, torch.empty_like(y))
+
+    return SoftmaxFunction
+
+
+def traceable_softmax(name, forward, backward):
+    """softmax(x) over a pair of plain functions registered as the custom ops
+    kernel_course::softmax_<name>_{forward,backward}: torch.compile sees an opaque call with a
+    known output (register_fake) instead of tracing into the launcher, and a backward it can put
+    in its graph."""
+
+    @torch.library.custom_op(f"kernel_course::softmax_{name}_forward", mutates_args=())
+    def forward_op(x: torch.Tensor) -> torch.Tensor:
+        return forward(x, torch.empty_like(x))
+
+    @torch.library.custom_op(f"kernel_course::softmax_{name}_backward", mutates_args=())
+    def backward_op(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return backward(y, dy, torch.empty_like(y))
+
+    @forward_op.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    @backward_op.register_fake
+    def _(y, dy):
+        return torch.empty_like(y)
+
+    def save_output(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def backward_of_forward_op(ctx, dy):
         (y,) = ctx.saved_tensors
-        return softmax_backward(y, dy, torch.empty_like(y))
+        return backward_op(y, dy)
+
+    forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
+
+    def softmax(x):
+        """softmax over x's last dimension: differentiable, and traceable by torch.compile."""
+        return forward_op(x)
+
+    return softmax
+
+
+SoftmaxFunction = autograd_function(softmax_forward, softmax_backward)
 
 
 def softmax(x):
