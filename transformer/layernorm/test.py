@@ -696,9 +696,17 @@ def test_torch_compile_fullgraph(impl):
     model.zero_grad()
     compiled_out = compiled(x)
     compiled_out.square().sum().backward()
-    assert_same_bits(compiled_out.detach(), eager_out.detach())
+    # On the GPU inductor generates its own code for the linear layers around the op (fused
+    # epilogues, its own reduction order for their gradients): equal within float32 rounding.
+    # On the CPU aot_eager runs the eager kernels: equal bit for bit.
+    same = (
+        (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5))
+        if ON_GPU
+        else assert_same_bits
+    )
+    same(compiled_out.detach(), eager_out.detach())
     for p, eager_grad in zip(model.parameters(), eager_grads, strict=True):
-        assert_same_bits(p.grad, eager_grad)
+        same(p.grad, eager_grad)
 
 
 # (3) Triton: the looped kernels, the row groups and the dispatch -----------------------------
@@ -863,7 +871,7 @@ def test_stand_ins_match_reference():
     exact = reference.layernorm_forward(*cpu(x, weight, bias), EPS)
     for ours, want in zip(float64_forward(x, weight, bias, EPS), exact, strict=True):
         assert (ours - want).abs().max() < 1e-12
-    mean, rstd = exact[1].float(), exact[2].float()
+    mean, rstd = exact[1].float().to(DEVICE), exact[2].float().to(DEVICE)
     exact = reference.layernorm_backward(*cpu(x, weight, mean, rstd, dy))
     for ours, want in zip(float64_backward(x, weight, mean, rstd, dy), exact, strict=True):
         assert (ours - want).abs().max() < 1e-12

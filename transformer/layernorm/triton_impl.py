@@ -105,8 +105,11 @@ def layernorm_forward_rows_kernel(
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    # Pass 1 (registers): the shift K is the row's mean; pass 2: the sums around it.
-    shift = pairwise_sum(x, LOG2_BLOCK_N) * inv_n
+    # Pass 1 (registers): the shift K is the row's mean; pass 2: the sums around it. K needs
+    # no fixed tree (any float32 near the mean will do), and tl.sum keeps x in its load layout:
+    # a pairwise tree here made Triton 3.6 replicate the whole row in every thread (a 2 MB PTX
+    # at BLOCK_N = 8192, minutes to compile) because x also feeds the trees below.
+    shift = tl.sum(x, axis=1) * inv_n
     shifted = tl.where(mask, x - shift[:, None], 0.0)
     m1 = pairwise_sum(shifted, LOG2_BLOCK_N) * inv_n
     q = pairwise_sum(shifted * shifted, LOG2_BLOCK_N) * inv_n

@@ -126,7 +126,11 @@ def model_plumbing(name, forward, backward):
 
     def rmsnorm(x, weight, eps, residual=None):
         """y = RMSNorm(x) * weight over x's last dimension, or (y, h) with h = x + residual
-        normalised and returned as the new residual stream: differentiable and traceable."""
+        normalised and returned as the new residual stream: differentiable and traceable.
+        Eager calls take the autograd.Function: a custom op's Python dispatch costs tens of
+        microseconds a call, more than a small kernel's whole run; torch.compile sees the op."""
+        if not torch.compiler.is_compiling():
+            return RMSNormFunction.apply(x, weight, eps, residual)
         y, _, h = forward_op(x, weight, eps, residual)
         return y if residual is None else (y, h)
 
