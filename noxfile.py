@@ -16,7 +16,7 @@ import nox
 
 ROOT = Path(__file__).parent
 BLAS = ["copy", "swap", "scal", "axpby", "dot", "gemv", "geru", "gemm"]
-TRANSFORMER = ["softmax"]  # sub-folders of transformer/
+TRANSFORMER = ["softmax", "rmsnorm", "layernorm"]  # sub-folders of transformer/
 
 COURSE_ENV = ROOT / ".nox" / "course"
 REQUIREMENTS = ROOT / "requirements.txt"

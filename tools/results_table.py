@@ -130,11 +130,13 @@ def per_call_table(results):
         return []
     ceilings = results["ceilings"]
     impls = list(dict.fromkeys(row["impl"] for row in rows))
+    floors = ""
+    if "torch_call_us" in ceilings:
+        floors = (f"; floors of the same run: torch `y.copy_(x)` {ceilings['torch_call_us']:.1f} "
+                  f"us, a bare Triton launch {ceilings['triton_launch_us']:.1f} us")  # fmt: skip
     lines = [
         "",
-        f"Per call at {size_of(rows[0]['shape'])} (wall time of back-to-back calls, us); floors "
-        f"of the same run: torch `y.copy_(x)` {ceilings['torch_call_us']:.1f} us, a bare Triton "
-        f"launch {ceilings['triton_launch_us']:.1f} us.",
+        f"Per call at {size_of(rows[0]['shape'])} (wall time of back-to-back calls, us){floors}.",
         "",
         "| dtype | " + " | ".join(impls) + " |",
         "| --- | " + " | ".join("---" for _ in impls) + " |",

@@ -1,0 +1,528 @@
+"""layernorm forward and backward in the CuTe DSL: one block per row, two passes over the row.
+
+    y = (x - mean) rstd w + b            dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = w dy
+    dw = sum over rows of dy xhat        db = sum over rows of dy
+
+The map (README.md, "CuTe", draws it): a block of 256 threads owns a row and walks it in tiles
+of 256 * VECTORS_PER_THREAD 16-byte vectors; thread t holds the same V elements of every tile
+(V = VECTORS_PER_THREAD * 16 bytes / element size), loaded with 128-bit copies. The weight,
+the bias and the float32 partial rows go through the same map in their own dtypes.
+
+forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sums x - K and
+         (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
+         q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
+         (the last tile is still in registers, the others likely in L2): y = xhat w + b.
+backward one block per row group (`row_groups`, as in triton_impl.py): per row, pass 1 sums g
+         and g xhat (`block_sum`), pass 2 writes dx and adds dy xhat and dy into the group's
+         float32 partial rows; `sum_partials_kernel` adds the groups in order.
+
+Every sum is a fixed tree, so the same inputs give the same bits; `statistics_path` and
+`backward_path` export what README.md's bound counts. Rows in registers for short N, several
+rows per block, and rows of N >= 32768 spread over a thread-block cluster are not done yet
+(README.md, open questions).
+"""
+
+import functools
+import math
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import as_rows, as_vector, check_backward, check_forward, to_float32
+from torch_impl import LayerNorm as TorchLayerNorm
+from torch_impl import autograd_function, custom_ops
+
+THREADS_PER_BLOCK = 256
+WARP_SIZE = 32
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
+VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
+# Two 16-byte vectors per thread and operand per tile: two loads in flight before the first
+# use, in 16 (16-bit data) or 8 (float32) float32 registers per operand.
+VECTORS_PER_THREAD = 2
+PARTIALS_MAX = 512  # the backward's row groups, as in triton_impl.py
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+def pairwise_sum(values):
+    """The sum of a power-of-two list of float32 registers, adding neighbours in pairs. Plain
+    Python, run while the kernel is traced: it emits the log2(len) levels of additions."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def butterfly_sum(value, width: cutlass.Constexpr[int]):
+    """Sum `value` over each aligned group of `width` lanes of a warp, log2(width) levels of
+    shfl.sync.bfly; every lane of the group ends with the group's sum, built by one tree."""
+    offset = width // 2
+    for _ in cutlass.range_constexpr(int(math.log2(width))):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+        offset //= 2
+    return value
+
+
+@cute.jit
+def block_sum(value):
+    """The sum of `value` over the 256 threads of the block, in every thread: 5 shuffle levels
+    inside each warp, then the 8 warp sums through shared memory and 3 more levels."""
+    warp_sums = cute.make_tensor(
+        cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK), cute.make_layout(WARPS_PER_BLOCK)
+    )
+    value = butterfly_sum(value, WARP_SIZE)
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        warp_sums[warp] = value
+    cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
+    return butterfly_sum(warp_sums[lane % WARPS_PER_BLOCK], WARPS_PER_BLOCK)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, row_tile_coords, n):
+    """The predicate tensor: True where this thread's element has an index < n. One entry per
+    copy atom, so it goes with the element copy, whose atoms move one element each."""
+    coords = thread_copy.partition_S(row_tile_coords)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
+
+
+@cute.jit
+def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], fill, values):
+    """values = this thread's elements of the row's tile `tile`, in float32. A full tile moves
+    in 128-bit vectors; the row's last, partial tile element by element, each under a
+    predicate (index < n), and the elements it skips hold `fill` (a float32 value, set after
+    the conversion so that it is exact)."""
+    tile_copy, element_copy = tiled_copies
+    thread, _, _ = cute.arch.thread_idx()
+    row_tile = cute.local_tile(row, (tile_elems,), (tile,))
+    if (tile + 1) * tile_elems <= n:
+        copy_in(tile_copy.get_slice(thread), row_tile, values, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
+        in_bounds = in_bounds_mask(thread_copy, coords, n)
+        copy_in(thread_copy, row_tile, values, in_bounds)
+        for j in cutlass.range_constexpr(cute.size(values)):
+            values[j] = cutlass.Float32(cutlass.select_(in_bounds[j], values[j], fill))
+
+
+@cute.jit
+def copy_in(thread_copy, source, values, in_bounds):
+    """values[j] = this thread's j-th element of `source`, widened to float32 (in_bounds None:
+    all of them; else the skipped ones hold 0)."""
+    mine = thread_copy.partition_S(source)
+    registers = cute.make_rmem_tensor_like(mine)
+    if cutlass.const_expr(in_bounds is not None):
+        registers.fill(0.0)
+    cute.copy(thread_copy, mine, registers, pred=in_bounds)
+    for j in cutlass.range_constexpr(cute.size(values)):
+        values[j] = registers[j].to(cutlass.Float32)
+
+
+@cute.jit
+def copy_out(thread_copy, values, target, in_bounds):
+    """The reverse: values rounded to target's dtype (cvt.rn, to nearest even) and stored."""
+    mine = thread_copy.partition_D(target)
+    registers = cute.make_rmem_tensor_like(mine)
+    for j in cutlass.range_constexpr(cute.size(values)):
+        registers[j] = values[j].to(target.element_type)
+    cute.copy(thread_copy, registers, mine, pred=in_bounds)
+
+
+@cute.jit
+def store_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
+    """The reverse of load_tile: values rounded to the row's dtype and stored."""
+    tile_copy, element_copy = tiled_copies
+    thread, _, _ = cute.arch.thread_idx()
+    row_tile = cute.local_tile(row, (tile_elems,), (tile,))
+    if (tile + 1) * tile_elems <= n:
+        copy_out(tile_copy.get_slice(thread), values, row_tile, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
+        copy_out(thread_copy, values, row_tile, in_bounds_mask(thread_copy, coords, n))
+
+
+@cute.jit
+def thread_sums(values, shift, count: cutlass.Constexpr[int]):
+    """(sum of v - K, sum of (v - K)**2) over this thread's `count` values: two pairwise trees."""
+    shifted = [values[j] - shift for j in range(count)]
+    return pairwise_sum(shifted), pairwise_sum([d * d for d in shifted])
+
+
+@cute.kernel
+def layernorm_forward_kernel(
+    x: cute.Tensor, w: cute.Tensor, b: cute.Tensor, y: cute.Tensor, mean: cute.Tensor,
+    rstd: cute.Tensor, n: cutlass.Int32, inv_n: cutlass.Float32, eps: cutlass.Float32,
+    x_copies, w_copies, tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    row, _, _ = cute.arch.block_idx()
+    thread, _, _ = cute.arch.thread_idx()
+    x_row, y_row = x[row, None], y[row, None]
+    tiles = (n + tile_elems - 1) // tile_elems
+    values = cute.make_rmem_tensor(per_thread, cutlass.Float32)
+    weights = cute.make_rmem_tensor(per_thread, cutlass.Float32)
+    biases = cute.make_rmem_tensor(per_thread, cutlass.Float32)
+    # The shift: the mean of tile 0 (of the row, when it is shorter than a tile).
+    load_tile(x_copies, x_row, 0, n, tile_elems, 0.0, values)
+    inv_first = cutlass.Float32(1.0 / tile_elems)  # a power of two: exact
+    if n < tile_elems:
+        inv_first = inv_n
+    shift = block_sum(pairwise_sum([values[j] for j in range(per_thread)])) * inv_first
+    thread_s1, thread_s2 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+    for tile in cutlass.range(tiles):
+        load_tile(x_copies, x_row, tile, n, tile_elems, shift, values)  # skipped: x - K = 0
+        s1, s2 = thread_sums(values, shift, per_thread)
+        thread_s1, thread_s2 = thread_s1 + s1, thread_s2 + s2
+    m1 = block_sum(thread_s1) * inv_n
+    var = block_sum(thread_s2) * inv_n - m1 * m1
+    if var < 0.0:  # rounding below zero (a NaN compares false and stays)
+        var = cutlass.Float32(0.0)
+    row_mean = shift + m1
+    row_rstd = cute.math.rsqrt(var + eps, fastmath=True)
+    if thread == 0:
+        mean[row] = row_mean
+        rstd[row] = row_rstd
+    for back in cutlass.range(tiles):
+        tile = tiles - 1 - back
+        if back > 0:  # the last tile is still in registers
+            load_tile(x_copies, x_row, tile, n, tile_elems, 0.0, values)
+        load_tile(w_copies, w, tile, n, tile_elems, 0.0, weights)
+        load_tile(w_copies, b, tile, n, tile_elems, 0.0, biases)
+        for j in cutlass.range_constexpr(per_thread):
+            values[j] = (values[j] - row_mean) * row_rstd * weights[j] + biases[j]
+        store_tile(x_copies, y_row, tile, n, tile_elems, values)
+
+
+@cute.jit
+def load_row_tile(copies, x_row, dy_row, w, tile, n, tile_elems: cutlass.Constexpr[int], regs):
+    """x, dy and w of a tile into the registers regs = (x, dy, w), zero past n."""
+    x_copies, w_copies = copies
+    load_tile(x_copies, x_row, tile, n, tile_elems, 0.0, regs[0])
+    load_tile(x_copies, dy_row, tile, n, tile_elems, 0.0, regs[1])
+    load_tile(w_copies, w, tile, n, tile_elems, 0.0, regs[2])
+
+
+@cute.jit
+def backward_row(
+    x_row, dy_row, dx_row, w, dw_partial, db_partial, row_mean, row_rstd, n, inv_n, copies,
+    tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    """One row of the backward: dx, and dy xhat, dy added into the group's partial rows."""
+    x_copies, w_copies, partial_copies = copies
+    tiles = (n + tile_elems - 1) // tile_elems
+    regs = [cute.make_rmem_tensor(per_thread, cutlass.Float32) for _ in range(5)]
+    thread_a, thread_b = cutlass.Float32(0.0), cutlass.Float32(0.0)
+    for tile in cutlass.range(tiles):
+        load_row_tile((x_copies, w_copies), x_row, dy_row, w, tile, n, tile_elems, regs)
+        g = [regs[1][j] * regs[2][j] for j in range(per_thread)]
+        xhat = [(regs[0][j] - row_mean) * row_rstd for j in range(per_thread)]
+        thread_a = thread_a + pairwise_sum(g)
+        thread_b = thread_b + pairwise_sum([g[j] * xhat[j] for j in range(per_thread)])
+    a, b = block_sum(thread_a) * inv_n, block_sum(thread_b) * inv_n
+    for back in cutlass.range(tiles):
+        tile = tiles - 1 - back
+        if back > 0:  # the last tile is still in registers
+            load_row_tile((x_copies, w_copies), x_row, dy_row, w, tile, n, tile_elems, regs)
+        load_tile(partial_copies, dw_partial, tile, n, tile_elems, 0.0, regs[3])
+        load_tile(partial_copies, db_partial, tile, n, tile_elems, 0.0, regs[4])
+        for j in cutlass.range_constexpr(per_thread):
+            xhat = (regs[0][j] - row_mean) * row_rstd
+            regs[3][j] = regs[3][j] + regs[1][j] * xhat
+            regs[4][j] = regs[4][j] + regs[1][j]
+            regs[0][j] = (regs[1][j] * regs[2][j] - a - xhat * b) * row_rstd
+        store_tile(x_copies, dx_row, tile, n, tile_elems, regs[0])
+        store_tile(partial_copies, dw_partial, tile, n, tile_elems, regs[3])
+        store_tile(partial_copies, db_partial, tile, n, tile_elems, regs[4])
+
+
+@cute.kernel
+def layernorm_backward_kernel(
+    x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
+    dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor, m: cutlass.Int32,
+    n: cutlass.Int32, rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, copies,
+    tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    group, _, _ = cute.arch.block_idx()
+    for i in cutlass.range(rows_per_group):
+        row = group * rows_per_group + i
+        if row < m:  # the whole block takes the same branch: block_sum's barriers are safe
+            backward_row(
+                x[row, None], dy[row, None], dx[row, None], w, dw_partial[group, None],
+                db_partial[group, None], mean[row], rstd[row], n, inv_n, copies, tile_elems,
+                per_thread,
+            )  # fmt: skip
+
+
+@cute.kernel
+def sum_partials_kernel(partials: cute.Tensor, out: cute.Tensor, groups: cutlass.Int32,
+                        n: cutlass.Int32):  # fmt: skip
+    """out[j] = the sum over groups of partials[group, j], in group order, rounded once."""
+    block, _, _ = cute.arch.block_idx()
+    thread, _, _ = cute.arch.thread_idx()
+    col = block * THREADS_PER_BLOCK + thread
+    if col < n:
+        total = cutlass.Float32(0.0)
+        for group in cutlass.range(groups):
+            total = total + partials[group, col]
+        out[col] = total.to(out.element_type)
+
+
+def tiled_copies(dtype, run, vector):
+    """(tile copy, element copy) of one operand: thread t owns runs of `run` adjacent elements
+    (16 bytes of x), the 256 threads side by side, VECTORS_PER_THREAD runs each per tile. The
+    tile copy moves up to 128 bits per access when `vector`, one element otherwise; the
+    element copy one element under its own predicate; both give a thread the same elements."""
+    thread_layout, value_layout = cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run)
+    access = min(run, VECTOR_BYTES * 8 // dtype.width) if vector else 1
+    tile_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * access
+    )
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    return (
+        cute.make_tiled_copy_tv(tile_atom, thread_layout, value_layout),
+        cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout),
+    )
+
+
+def tile_shape(dtype_width):
+    """(elements per tile, elements per thread per tile, elements per run) for x's dtype."""
+    run = VECTOR_BYTES * 8 // dtype_width
+    return THREADS_PER_BLOCK * VECTORS_PER_THREAD * run, VECTORS_PER_THREAD * run, run
+
+
+@cute.jit
+def launch_forward(
+    x: cute.Tensor, w: cute.Tensor, b: cute.Tensor, y: cute.Tensor, mean: cute.Tensor,
+    rstd: cute.Tensor, inv_n: cutlass.Float32, eps: cutlass.Float32, stream: cuda.CUstream,
+    vector: cutlass.Constexpr[bool],
+):  # fmt: skip
+    m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
+    tile_elems, per_thread, run = tile_shape(x.element_type.width)
+    x_copies = tiled_copies(x.element_type, run, vector)
+    w_copies = tiled_copies(w.element_type, run, vector)
+    layernorm_forward_kernel(
+        x, w, b, y, mean, rstd, n, inv_n, eps, x_copies, w_copies, tile_elems, per_thread
+    ).launch(grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+
+
+@cute.jit
+def launch_backward(
+    x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
+    dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor,
+    rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, stream: cuda.CUstream,
+    vector: cutlass.Constexpr[bool],
+):  # fmt: skip
+    m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
+    groups = cutlass.Int32(cute.size(dw_partial, mode=[0]))
+    tile_elems, per_thread, run = tile_shape(x.element_type.width)
+    copies = (
+        tiled_copies(x.element_type, run, vector),
+        tiled_copies(w.element_type, run, vector),
+        tiled_copies(cutlass.Float32, run, vector),
+    )
+    layernorm_backward_kernel(
+        x, w, mean, rstd, dy, dx, dw_partial, db_partial, m, n, rows_per_group, inv_n, copies,
+        tile_elems, per_thread,
+    ).launch(grid=[groups, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)  # fmt: skip
+
+
+@cute.jit
+def launch_sum(partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
+    groups = cutlass.Int32(cute.size(partials, mode=[0]))
+    n = cutlass.Int32(cute.size(partials, mode=[1]))
+    blocks = (n + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
+    sum_partials_kernel(partials, out, groups, n).launch(
+        grid=[blocks, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream
+    )
+
+
+def fake_rows(dtype, m, n, vector, run):
+    """What cute.compile sees of an (M, N) operand: symbolic sizes, and either unit column
+    stride with a row stride divisible by the run on a 16-byte boundary (the vector build) or
+    two symbolic strides on an element boundary."""
+    if vector:
+        stride = (cute.sym_int64(divisibility=run), 1)
+    else:
+        stride = (cute.sym_int64(), cute.sym_int64())
+    align = min(16, dtype.width // 8 * run) if vector else dtype.width // 8
+    return cute.runtime.make_fake_tensor(dtype, (m, n), stride=stride, assumed_align=align)
+
+
+def fake_vector(dtype, n, vector):
+    """A weight, bias or gradient (N,), unit stride; 16-byte aligned in the vector build."""
+    stride = (1,) if vector else (cute.sym_int64(),)
+    align = 16 if vector else dtype.width // 8
+    return cute.runtime.make_fake_tensor(dtype, (n,), stride=stride, assumed_align=align)
+
+
+def fake_stats(m):
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (m,), stride=(cute.sym_int64(),))
+
+
+def build(direction, dtype, parameter_dtype, vector, options=""):
+    """cute.compile the forward or backward launcher for TVM-FFI calls on torch tensors, on
+    torch's current stream; the operands share symbolic M and N."""
+    m, n, groups = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
+    x_type, p_type = TORCH_TO_CUTLASS[dtype], TORCH_TO_CUTLASS[parameter_dtype]
+    run = tile_shape(x_type.width)[2]
+    rows = lambda t: fake_rows(t, m, n, vector, run)  # noqa: E731
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if direction == "forward":
+        operands = (rows(x_type), fake_vector(p_type, n, vector), fake_vector(p_type, n, vector),
+                    rows(x_type), fake_stats(m), fake_stats(m), cutlass.Float32(1.0),
+                    cutlass.Float32(0.0))  # fmt: skip
+        launcher = launch_forward
+    else:
+        partial = fake_rows(cutlass.Float32, groups, n, vector, run)
+        operands = (rows(x_type), fake_vector(p_type, n, vector), fake_stats(m), fake_stats(m),
+                    rows(x_type), rows(x_type), partial, partial, cutlass.Int32(1),
+                    cutlass.Float32(1.0))  # fmt: skip
+        launcher = launch_backward
+    return cute.compile(launcher, *operands, stream, vector, options=f"--enable-tvm-ffi {options}")
+
+
+@functools.cache
+def compile_kernel(direction, dtype, parameter_dtype, vector):
+    """The compiled launcher, built once per (direction, dtypes, access width) and cached."""
+    return build(direction, dtype, parameter_dtype, vector).__tvm_ffi_object__()
+
+
+@functools.cache
+def compile_sum(dtype):
+    groups, n = cute.sym_int64(), cute.sym_int64()
+    partials = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (groups, n), stride=(cute.sym_int64(), 1)
+    )  # rows padded (partial_rows)
+    out = cute.runtime.make_fake_tensor(TORCH_TO_CUTLASS[dtype], (n,), stride=(cute.sym_int64(),))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch_sum, partials, out, stream, options="--enable-tvm-ffi")
+
+
+def ptx_of(direction, dtype, contiguous):
+    """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(direction, dtype, dtype, contiguous, options).__ptx__
+
+
+def is_vector_friendly(t):
+    """Unit stride along N, 16-byte aligned start, and (for rows) a row stride that keeps every
+    row on a 16-byte boundary."""
+    run = VECTOR_BYTES // t.element_size()
+    if t.data_ptr() % VECTOR_BYTES or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return False
+    return t.dim() == 1 or t.stride(0) % run == 0 or t.shape[0] == 1
+
+
+def row_groups(m):
+    """(groups, rows per group), as triton_impl.row_groups."""
+    rows_per_group = max(-(-m // PARTIALS_MAX), 1)
+    return -(-m // rows_per_group), rows_per_group
+
+
+def statistics_path(n, dtype):
+    """(k, C) of README.md's bound: a tile's pairwise tree (log2 V), an add per tile into the
+    thread's sum, and block_sum's 8 levels; the shift is the mean of the first tile."""
+    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8)
+    tiles = -(-n // tile_elems)
+    return int(math.log2(per_thread)) + tiles + int(math.log2(THREADS_PER_BLOCK)), tile_elems
+
+
+def backward_path(m, n, dtype):
+    """(row additions, column additions): as the forward's row sums; a group's rows one after
+    another into its partial row (which starts at 0), then the groups in order."""
+    groups, rows_per_group = row_groups(m)
+    return statistics_path(n, dtype)[0], rows_per_group + groups
+
+
+@functools.lru_cache(maxsize=16)
+def identity_parameters(n, dtype, device):
+    """(ones, zeros) of length n: an absent weight or bias (x * 1 and x + 0 are exact)."""
+    return torch.ones(n, dtype=dtype, device=device), torch.zeros(n, dtype=dtype, device=device)
+
+
+def parameters_or_identity(x, weight, bias):
+    dtype = (weight if weight is not None else bias if bias is not None else x).dtype
+    ones, zeros = identity_parameters(x.shape[-1], dtype, x.device)
+    return (ones if weight is None else weight), (zeros if bias is None else bias)
+
+
+def require_cuda(x):
+    if not x.is_cuda:
+        raise ValueError(f"the operands are on {x.device}; the CuTe kernel needs CUDA tensors")
+
+
+def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
+    check_forward(x, weight, bias, eps, y, mean, rstd)
+    require_cuda(x)
+    if x.numel() == 0:
+        return y, mean, rstd
+    w, b = parameters_or_identity(x, weight, bias)
+    (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
+    (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
+    vector = all(is_vector_friendly(t) for t in (x_rows, y_rows, w, b))
+    kernel = compile_kernel("forward", x.dtype, w.dtype, vector)
+    # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
+    kernel(x_rows, w, b, y_rows, mean_v, rstd_v, 1.0 / x.shape[-1], to_float32(eps))
+    for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),
+                                   (rstd_copied, rstd_v, rstd)):  # fmt: skip
+        if copied:
+            target.copy_(result.view(target.shape))
+    return y, mean, rstd
+
+
+def partial_rows(groups, n, device):
+    """The backward's two float32 partial planes (dweight's, dbias's), zeros, (groups, N) each.
+    Rows padded to whole 32-byte runs (8 floats, a 16-bit x's run), so that every row of both
+    planes, the second plane's first included, starts on a 16-byte boundary with a row stride
+    the vector build accepts."""
+    padded = -(-n // 8) * 8
+    return torch.zeros(2, groups, padded, dtype=torch.float32, device=device)[..., :n]
+
+
+def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
+    check_backward(x, weight, mean, rstd, dy, dx, dweight, dbias)
+    require_cuda(x)
+    sums = [(out, k) for k, out in enumerate((dweight, dbias)) if out is not None]
+    if x.numel() == 0:  # no rows: the column sums are sums of nothing
+        for out, _ in sums:
+            out.zero_()
+        return dx, dweight, dbias
+    w, _ = parameters_or_identity(x, weight, None)
+    (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
+    (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
+    n, (groups, rows_per_group) = x_rows.shape[1], row_groups(x_rows.shape[0])
+    partials = partial_rows(groups, n, x.device)
+    vector = all(is_vector_friendly(t) for t in (x_rows, dy_rows, dx_rows, w, partials[0]))
+    kernel = compile_kernel("backward", x.dtype, w.dtype, vector)
+    kernel(x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1],
+           rows_per_group, 1.0 / n)  # fmt: skip
+    for out, k in sums:
+        compile_sum(out.dtype)(partials[k], out)
+    if dx_copied:
+        dx.copy_(dx_rows.view(dx.shape))
+    return dx, dweight, dbias
+
+
+# The model glue of torch_impl.py over the two functions above.
+LayerNormFunction = autograd_function(layernorm_forward, layernorm_backward)
+layernorm = custom_ops("cute", layernorm_forward, layernorm_backward)
+
+
+class LayerNorm(TorchLayerNorm):
+    """torch.nn.LayerNorm's drop-in over the CuTe kernels."""
+
+    function = staticmethod(layernorm)

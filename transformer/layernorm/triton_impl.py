@@ -1,0 +1,433 @@
+"""layernorm forward and backward as Triton kernels, one program per row (or several rows).
+
+    y = (x - mean) rstd w + b            dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = w dy
+    dw = sum over rows of dy xhat        db = sum over rows of dy
+
+The statistics (README.md, "The error bound"): the variance is taken around a shift K, the
+mean of the row's first elements, and corrected by the mean of the shifted values:
+
+    m1 = mean(x - K),   mean = K + m1,   var = mean((x - K)**2) - m1**2
+
+With the whole row in registers K is the row's own mean (a two-pass variance, corrected); a
+long row streams, and K is its first chunk's mean (one pass, then a second to write y).
+
+Kernels, picked by the row length N (README.md, "Triton"):
+
+* forward, rows of at most ROW_BLOCK_MAX elements: `layernorm_forward_rows_kernel` loads a
+  block of ROWS rows once and writes y, mean and rstd (2MN elements of traffic, the minimum);
+  longer rows: `layernorm_forward_looped_kernel` streams the row twice in chunks of CHUNK.
+* backward: the rows are cut into at most PARTIALS_MAX consecutive groups (`row_groups`), one
+  program per group. `layernorm_backward_rows_kernel` (N <= BACKWARD_ROW_BLOCK_MAX) walks its
+  rows one at a time with the row in registers, writes dx, and keeps the group's dw and db
+  partial sums in registers; `layernorm_backward_looped_kernel` streams longer rows twice and
+  adds into the group's partial row in memory. `sum_partials_kernel` then adds the groups'
+  float32 partials in group order: no atomics, the same bits on every run.
+
+rsqrt is `rsqrt.approx.ftz.f32` (its error is in README.md's bound); every sum is a fixed tree
+(`pairwise_sum`) or a fixed serial order, and `statistics_path`, `backward_path` export the
+roundings README.md counts.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import as_rows, as_vector, check_backward, check_forward, to_float32
+from torch_impl import LayerNorm as TorchLayerNorm
+from torch_impl import autograd_function, custom_ops
+
+# The longest row held in registers: 32768 elements over 32 warps is 32 float32 values per
+# thread. Longer rows stream through CHUNK lanes (CHUNK <= ROW_BLOCK_MAX: a looped row has a
+# full first chunk, whose mean is the shift).
+ROW_BLOCK_MAX = 32768
+# The backward keeps x, dy, w and the dw, db sums of a row: at 8192 elements and 16 warps
+# that is about 7 x 16 float32 registers a thread, the most 512 threads may have.
+BACKWARD_ROW_BLOCK_MAX = 8192
+CHUNK = 4096
+CHUNK_WARPS = 8
+# A forward program handles at least this many elements (several short rows), and gives each
+# thread about ELEMS_PER_THREAD of them: 2 to 4 16-byte loads in flight per operand.
+PROGRAM_ELEMS_MIN = 2048
+ELEMS_PER_THREAD = 16
+# The backward's row groups: enough programs to fill the H200's 132 SMs several times, few
+# enough that the partial rows (PARTIALS_MAX x N float32) cost little. A constant, not the
+# device's SM count, so the summation tree depends on the shape alone.
+PARTIALS_MAX = 512
+PARTIAL_COLUMNS = 1024  # columns per program of sum_partials_kernel
+
+
+@triton.jit
+def pairwise_sum(values, LEVELS: tl.constexpr):
+    """The sums of the rows of a [ROWS, 2**LEVELS] float32 block: add neighbours in pairs,
+    LEVELS times, so each value passes through exactly LEVELS additions on the GPU and in the
+    interpreter alike (tl.sum of a whole row would leave the tree to the compiler)."""
+    for _ in tl.static_range(LEVELS):
+        values = tl.sum(tl.reshape(values, [values.shape[0], values.shape[1] // 2, 2]), axis=2)
+    return tl.sum(values, axis=1)  # one value per row is left: this adds nothing
+
+
+@triton.jit
+def row_sum(values, LEVELS: tl.constexpr):
+    """pairwise_sum of one [2**LEVELS] vector, as a scalar."""
+    return tl.sum(pairwise_sum(values[None, :], LEVELS), axis=0)
+
+
+@triton.jit
+def statistics(m1, q, shift, eps):
+    """(mean, rstd) from m1 = mean(x - K), q = mean((x - K)**2) and the shift K. A variance
+    that rounding left below zero is 0 (a NaN stays NaN: the comparison is false)."""
+    var = q - m1 * m1
+    var = tl.where(var < 0.0, 0.0, var)
+    return shift + m1, tl.math.rsqrt(var + eps)
+
+
+@triton.jit
+def affine(xhat, w_ptr, b_ptr, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """xhat w + b over the columns `cols` (w = 1 and b = 0 when absent)."""
+    if HAS_WEIGHT:
+        xhat = xhat * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        xhat = xhat + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return xhat
+
+
+@triton.jit
+def layernorm_forward_rows_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, m, n, stride_xm, stride_xn, stride_ym,
+    stride_yn, stride_mean, stride_rstd, inv_n, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG2_BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # 64-bit row offsets
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = (offs_m[:, None] < m) & (offs_n[None, :] < n)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    # Pass 1 (registers): the shift K is the row's mean; pass 2: the sums around it. K needs
+    # no fixed tree (any float32 near the mean will do), and tl.sum keeps x in its load layout:
+    # a pairwise tree here made Triton 3.6 replicate the whole row in every thread (a 2 MB PTX
+    # at BLOCK_N = 8192, minutes to compile) because x also feeds the trees below.
+    shift = tl.sum(x, axis=1) * inv_n
+    shifted = tl.where(mask, x - shift[:, None], 0.0)
+    m1 = pairwise_sum(shifted, LOG2_BLOCK_N) * inv_n
+    q = pairwise_sum(shifted * shifted, LOG2_BLOCK_N) * inv_n
+    mean, rstd = statistics(m1, q, shift, eps)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    y = affine(xhat, w_ptr, b_ptr, offs_n[None, :], offs_n[None, :] < n, HAS_WEIGHT, HAS_BIAS)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + offs_m * stride_mean, mean, mask=offs_m < m)
+    tl.store(rstd_ptr + offs_m * stride_rstd, rstd, mask=offs_m < m)
+
+
+@triton.jit
+def layernorm_forward_looped_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, stride_xm, stride_xn, stride_ym,
+    stride_yn, stride_mean, stride_rstd, inv_n, eps, CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * stride_xm, y_ptr + row * stride_ym
+    offs = tl.arange(0, CHUNK).to(tl.int64)
+    chunks = tl.cdiv(n, CHUNK)
+    # The first chunk is full (n > CHUNK here): its mean is the shift, 1/CHUNK exact.
+    first = tl.load(x_row + offs * stride_xn).to(tl.float32)
+    shift = row_sum(first, LOG2_CHUNK) * (1.0 / CHUNK)
+    lane_s1 = first - shift  # lane j: the sum of x - K and of (x - K)**2 over its elements
+    lane_s2 = lane_s1 * lane_s1
+    for chunk in range(1, chunks):
+        cols = chunk * CHUNK + offs
+        x = tl.load(x_row + cols * stride_xn, mask=cols < n, other=0.0).to(tl.float32)
+        shifted = tl.where(cols < n, x - shift, 0.0)
+        lane_s1 += shifted
+        lane_s2 += shifted * shifted
+    m1 = row_sum(lane_s1, LOG2_CHUNK) * inv_n
+    mean, rstd = statistics(m1, row_sum(lane_s2, LOG2_CHUNK) * inv_n, shift, eps)
+    tl.store(mean_ptr + row * stride_mean, mean)
+    tl.store(rstd_ptr + row * stride_rstd, rstd)
+    # Pass 2, last chunk first: those were read most recently and may still be in L2.
+    for back in range(0, chunks):
+        cols = (chunks - 1 - back) * CHUNK + offs
+        x = tl.load(x_row + cols * stride_xn, mask=cols < n, other=0.0).to(tl.float32)
+        y = affine((x - mean) * rstd, w_ptr, b_ptr, cols, cols < n, HAS_WEIGHT, HAS_BIAS)
+        tl.store(y_row + cols * stride_yn, y.to(y_ptr.dtype.element_ty), mask=cols < n)
+
+
+@triton.jit
+def row_gradient(x, dy, w, mean, rstd, inv_n, LEVELS: tl.constexpr):
+    """(xhat, dx) of one row held in registers; lanes past n hold x = dy = 0 (g = 0)."""
+    xhat = (x - mean) * rstd
+    g = dy * w
+    a = row_sum(g, LEVELS) * inv_n
+    b = row_sum(g * xhat, LEVELS) * inv_n
+    return xhat, (g - a - xhat * b) * rstd
+
+
+@triton.jit
+def layernorm_backward_rows_kernel(
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, m, n,
+    rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
+    stride_mean, stride_rstd, inv_n, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    group = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    in_row = cols < n
+    w = tl.full([BLOCK_N], 1.0, tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    dw_sum = tl.zeros([BLOCK_N], tl.float32)  # this group's partial sums, row after row
+    db_sum = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(0, rows_per_group):
+        row = group * rows_per_group + i
+        mask = in_row & (row < m)  # a row past m reads zeros and adds exactly nothing
+        x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + row * stride_dym + cols * stride_dyn, mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        mean = tl.load(mean_ptr + row * stride_mean, mask=row < m, other=0.0)
+        rstd = tl.load(rstd_ptr + row * stride_rstd, mask=row < m, other=0.0)
+        xhat, dx = row_gradient(x.to(tl.float32), dy, w, mean, rstd, inv_n, LOG2_BLOCK_N)
+        dx_ptrs = dx_ptr + row * stride_dxm + cols * stride_dxn
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_sum += dy * xhat
+        db_sum += dy
+    tl.store(dw_partial_ptr + group * n + cols, dw_sum, mask=in_row)
+    tl.store(db_partial_ptr + group * n + cols, db_sum, mask=in_row)
+
+
+@triton.jit
+def layernorm_backward_looped_kernel(
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, m, n,
+    rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
+    stride_mean, stride_rstd, inv_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    group = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK).to(tl.int64)
+    chunks = tl.cdiv(n, CHUNK)
+    for i in range(0, rows_per_group):
+        row = group * rows_per_group + i
+        x_row, dy_row = x_ptr + row * stride_xm, dy_ptr + row * stride_dym
+        mean = tl.load(mean_ptr + row * stride_mean, mask=row < m, other=0.0)
+        rstd = tl.load(rstd_ptr + row * stride_rstd, mask=row < m, other=0.0)
+        lane_a = tl.zeros([CHUNK], tl.float32)  # lane j: the sums of g and g xhat, chunk by chunk
+        lane_b = tl.zeros([CHUNK], tl.float32)
+        for chunk in range(0, chunks):
+            cols = chunk * CHUNK + offs
+            mask = (cols < n) & (row < m)
+            xhat = (tl.load(x_row + cols * stride_xn, mask=mask, other=0.0) - mean) * rstd
+            g = tl.load(dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                g = g * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            lane_a += g
+            lane_b += g * xhat
+        a, b = row_sum(lane_a, LOG2_CHUNK) * inv_n, row_sum(lane_b, LOG2_CHUNK) * inv_n
+        for back in range(0, chunks):  # last chunk first, as in the forward
+            cols = (chunks - 1 - back) * CHUNK + offs
+            mask = (cols < n) & (row < m)
+            x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+            w = tl.full([CHUNK], 1.0, tl.float32)
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            xhat = (x - mean) * rstd
+            dx = (dy * w - a - xhat * b) * rstd
+            tl.store(dx_ptr + row * stride_dxm + cols * stride_dxn,
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            # The group's own partial rows (zeroed by the launcher): no other program adds here.
+            dw_ptrs, db_ptrs = dw_partial_ptr + group * n + cols, db_partial_ptr + group * n + cols
+            dw_old = tl.load(dw_ptrs, mask=cols < n, other=0.0)
+            db_old = tl.load(db_ptrs, mask=cols < n, other=0.0)
+            tl.store(dw_ptrs, dw_old + dy * xhat, mask=cols < n)
+            tl.store(db_ptrs, db_old + dy, mask=cols < n)
+
+
+@triton.jit
+def sum_partials_kernel(partial_ptr, out_ptr, groups, n, stride_out, BLOCK: tl.constexpr):
+    """out[j] = the sum over groups of partial[group, j], in group order, rounded once."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], tl.float32)
+    for group in range(0, groups):
+        total += tl.load(partial_ptr + group * n + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr + cols * stride_out, total.to(out_ptr.dtype.element_ty), mask=cols < n)
+
+
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch_triton_interpreter():
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes (see dot/triton_impl.py):
+    numpy 2.4 refuses int() of a one-element array, which .item() does, and the interpreter's
+    float32 <-> bfloat16 conversions truncate, which torch's exact conversions replace."""
+    import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, convert = interpreter._patch_lang_tensor, interpreter._convert_float
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._patch_lang_tensor, interpreter._convert_float = patch_with_item, exact
+
+
+if INTERPRETED:
+    patch_triton_interpreter()
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU made current when it is not (the CPU under the interpreter)."""
+    if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
+        return torch.cuda.device(t.device)
+    if INTERPRETED:
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def rows_launch(m, n):
+    """(grid, rows per program, BLOCK_N, num_warps) of the forward rows kernel, None past
+    ROW_BLOCK_MAX: BLOCK_N is n's next power of two, ROWS packs short rows (never more than m)
+    so a program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
+    block_n = 1 << (n - 1).bit_length()
+    if block_n > ROW_BLOCK_MAX:
+        return None
+    rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
+    num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
+    return ((m + rows - 1) // rows,), rows, block_n, num_warps
+
+
+def row_groups(m):
+    """(groups, rows per group): m rows cut into at most PARTIALS_MAX runs of equal length
+    (the last may be shorter), one backward program and one partial row each."""
+    rows_per_group = max(-(-m // PARTIALS_MAX), 1)
+    return -(-m // rows_per_group), rows_per_group
+
+
+def statistics_path(n, dtype):
+    """(k, C) of README.md's bound: k additions on a term's way into each row sum, and the
+    shift is the mean of the first C elements. Rows kernel: log2(BLOCK_N) tree levels around
+    the row's own mean. Looped: an add per later chunk, log2(CHUNK) levels, the first chunk."""
+    block_n = 1 << (n - 1).bit_length()
+    if block_n <= ROW_BLOCK_MAX:
+        return block_n.bit_length() - 1, n
+    return -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1, CHUNK
+
+
+def backward_path(m, n, dtype):
+    """(row additions into a and b, column additions into dweight and dbias): the row's tree
+    as in the forward; a group's rows one after another, then the groups in order."""
+    block_n = 1 << (n - 1).bit_length()
+    if block_n <= BACKWARD_ROW_BLOCK_MAX:
+        row = block_n.bit_length() - 1
+    else:
+        row = -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
+    groups, rows_per_group = row_groups(m)
+    return row, rows_per_group + groups
+
+
+def parameter_vector(t, like):
+    """A weight or bias as a unit-stride vector (a copy only for a strided one); `like` stands
+    in when it is absent (never read: HAS_WEIGHT/HAS_BIAS is False)."""
+    if t is None:
+        return like
+    return t if t.stride(0) == 1 else t.contiguous()
+
+
+def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
+    check_forward(x, weight, bias, eps, y, mean, rstd)
+    device = on_device_of(x)
+    if x.numel() == 0:
+        return y, mean, rstd
+    (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
+    (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
+    (m, n), w, b = x_rows.shape, parameter_vector(weight, x), parameter_vector(bias, x)
+    layout = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
+    operands = (x_rows, w, b, y_rows, mean_v, rstd_v)
+    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None}
+    launch = rows_launch(m, n)
+    with device:
+        if launch is not None:
+            grid, rows, block_n, num_warps = launch
+            layernorm_forward_rows_kernel[grid](
+                *operands, m, n, *layout, 1.0 / n, to_float32(eps), ROWS=rows, BLOCK_N=block_n,
+                LOG2_BLOCK_N=block_n.bit_length() - 1, num_warps=num_warps, **flags,
+            )  # fmt: skip
+        else:
+            layernorm_forward_looped_kernel[(m,)](
+                *operands, n, *layout, 1.0 / n, to_float32(eps), CHUNK=CHUNK,
+                LOG2_CHUNK=CHUNK.bit_length() - 1, num_warps=CHUNK_WARPS, **flags,
+            )  # fmt: skip
+    for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),
+                                   (rstd_copied, rstd_v, rstd)):  # fmt: skip
+        if copied:
+            target.copy_(result.view(target.shape))
+    return y, mean, rstd
+
+
+def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
+    check_backward(x, weight, mean, rstd, dy, dx, dweight, dbias)
+    device = on_device_of(x)
+    sums = [(out, k) for k, out in enumerate((dweight, dbias)) if out is not None]
+    if x.numel() == 0:  # no rows: the column sums are sums of nothing
+        for out, _ in sums:
+            out.zero_()
+        return dx, dweight, dbias
+    (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
+    (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
+    (m, n), w = x_rows.shape, parameter_vector(weight, x)
+    groups, rows_per_group = row_groups(m)
+    block_n = 1 << (n - 1).bit_length()
+    looped = block_n > BACKWARD_ROW_BLOCK_MAX
+    partials = (torch.zeros if looped else torch.empty)(
+        2, groups, n, dtype=torch.float32, device=x.device
+    )
+    layout = (*x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(), mean_v.stride(0),
+              rstd_v.stride(0))  # fmt: skip
+    operands = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
+    with device:
+        if not looped:
+            layernorm_backward_rows_kernel[(groups,)](
+                *operands, m, n, rows_per_group, *layout, 1.0 / n, BLOCK_N=block_n,
+                LOG2_BLOCK_N=block_n.bit_length() - 1, HAS_WEIGHT=weight is not None,
+                num_warps=min(max(block_n // 256, 4), 16),
+            )  # fmt: skip
+        else:
+            layernorm_backward_looped_kernel[(groups,)](
+                *operands, m, n, rows_per_group, *layout, 1.0 / n, CHUNK=CHUNK,
+                LOG2_CHUNK=CHUNK.bit_length() - 1, HAS_WEIGHT=weight is not None,
+                num_warps=CHUNK_WARPS,
+            )  # fmt: skip
+        for out, k in sums:
+            sum_partials_kernel[(triton.cdiv(n, PARTIAL_COLUMNS),)](
+                partials[k], out, groups, n, out.stride(0), BLOCK=PARTIAL_COLUMNS
+            )
+    if dx_copied:
+        dx.copy_(dx_rows.view(dx.shape))
+    return dx, dweight, dbias
+
+
+# The model glue of torch_impl.py over the two functions above.
+LayerNormFunction = autograd_function(layernorm_forward, layernorm_backward)
+layernorm = custom_ops("triton", layernorm_forward, layernorm_backward)
+
+
+class LayerNorm(TorchLayerNorm):
+    """torch.nn.LayerNorm's drop-in over the Triton kernels."""
+
+    function = staticmethod(layernorm)

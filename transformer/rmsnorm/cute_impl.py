@@ -1,0 +1,468 @@
+"""RMSNorm forward and backward in the CuTe DSL: a block per row for the row statistics, a
+block per (column tile, group of rows) for dx and the dweight partials.
+
+    rstd = 1 / sqrt(mean(h**2) + eps)     y = h * rstd * w     (h = x, or x + residual stored)
+    dx = rstd (g - xhat * mean(g * xhat))  (+ dresidual_out)   g = dy * w, xhat = h * rstd
+
+The map (README.md, "CuTe", draws it): 256 threads walk a row in tiles of 256 * V elements;
+thread t holds the same V elements of every tile (two runs of 16 bytes of x's dtype, moved by
+128-bit copies; a float32 weight or partial row uses the same runs, two copies each).
+
+forward  `rmsnorm_forward_kernel`, a block per row. Pass 1: h (stored when fused), each thread
+         sums its squares (`pairwise_sum` per tile), `block_sum` (dot/'s warp -> block tree)
+         gives the row's; rstd = rsqrt.approx(sum / n + eps). Pass 2, last tile first (likeliest
+         still cached): y = h * rstd * w.
+backward `row_dots_kernel`, a block per row: mean(g * xhat). `rmsnorm_backward_columns_kernel`,
+         a block per (tile, group): for each row of its group, dx of its tile, and the tile's
+         dy * xhat summed in registers into one row of float32 `partials`.
+         `sum_partials_kernel`, a block per tile: the groups' partials added in order.
+
+Every sum is a fixed order, so the same inputs give the same bits; `forward_path`,
+`backward_path` and `dweight_path` export what README.md's bounds count. The backward reads x
+and dy twice (5MN, not the minimal 3MN) and rows of N >= 32768 are not spread over a cluster:
+README.md, open questions.
+"""
+
+import functools
+import math
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from reference import as_rows, check_backward, check_forward
+from torch_impl import model_plumbing
+
+THREADS_PER_BLOCK = 256
+WARP_SIZE = 32
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
+VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
+# Two 16-byte vectors of x's dtype per thread and operand per tile: two loads in flight.
+VECTORS_PER_THREAD = 2
+# Blocks of the columns kernel: about four per H200 SM, fixed by the shape alone so that the
+# order of dweight's sum does not depend on the device.
+GROUPS_MAX = 512
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+
+
+def pairwise_sum(values):
+    """The sum of a power-of-two list of float32 registers, adding neighbours in pairs. Plain
+    Python, run while the kernel is traced: it emits the log2(len) levels of additions."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def butterfly_sum(value, width: cutlass.Constexpr[int]):
+    """Sum `value` over each aligned group of `width` lanes of a warp, log2(width) levels of
+    shfl.sync.bfly; every lane of the group ends with the group's sum, built by one tree."""
+    offset = width // 2
+    for _ in cutlass.range_constexpr(int(math.log2(width))):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+        offset //= 2
+    return value
+
+
+@cute.jit
+def block_sum(value):
+    """The sum of `value` over the 256 threads of the block, in every thread: 5 shuffle levels
+    inside each warp, then the 8 warp sums through shared memory and 3 more levels."""
+    warp_sums = cute.make_tensor(
+        cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK), cute.make_layout(WARPS_PER_BLOCK)
+    )
+    value = butterfly_sum(value, WARP_SIZE)
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        warp_sums[warp] = value
+    cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
+    return butterfly_sum(warp_sums[lane % WARPS_PER_BLOCK], WARPS_PER_BLOCK)
+
+
+@cute.jit
+def in_bounds_mask(thread_copy, row_tile_coords, n):
+    """The predicate tensor: True where this thread's element has an index < n."""
+    coords = thread_copy.partition_S(row_tile_coords)
+    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(mask)):
+        mask[i] = cute.elem_less(coords[i], n)
+    return mask
+
+
+@cute.jit
+def copy_in(thread_copy, source, values, in_bounds):
+    """values[j] = this thread's j-th element of `source`, widened to float32 (in_bounds None:
+    all of them; else the elements it skips hold 0)."""
+    mine = thread_copy.partition_S(source)
+    registers = cute.make_rmem_tensor_like(mine)
+    if cutlass.const_expr(in_bounds is not None):
+        registers.fill(0)
+    cute.copy(thread_copy, mine, registers, pred=in_bounds)
+    for j in cutlass.range_constexpr(cute.size(values)):
+        values[j] = registers[j].to(cutlass.Float32)
+
+
+@cute.jit
+def copy_out(thread_copy, values, target, in_bounds):
+    """The reverse: values rounded to target's dtype (cvt.rn, to nearest even) and stored."""
+    mine = thread_copy.partition_D(target)
+    registers = cute.make_rmem_tensor_like(mine)
+    for j in cutlass.range_constexpr(cute.size(values)):
+        registers[j] = values[j].to(target.element_type)
+    cute.copy(thread_copy, registers, mine, pred=in_bounds)
+
+
+@cute.jit
+def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
+    """values = this thread's elements of the row's tile `tile`, in float32. A full tile moves
+    in 128-bit vectors; the row's last, partial tile element by element, each under a
+    predicate (index < n); what it skips holds 0."""
+    tile_copy, element_copy = tiled_copies
+    thread, _, _ = cute.arch.thread_idx()
+    row_tile = cute.local_tile(row, (tile_elems,), (tile,))
+    if (tile + 1) * tile_elems <= n:
+        copy_in(tile_copy.get_slice(thread), row_tile, values, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
+        copy_in(thread_copy, row_tile, values, in_bounds_mask(thread_copy, coords, n))
+
+
+@cute.jit
+def store_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
+    """The reverse of load_tile: values rounded to the row's dtype and stored."""
+    tile_copy, element_copy = tiled_copies
+    thread, _, _ = cute.arch.thread_idx()
+    row_tile = cute.local_tile(row, (tile_elems,), (tile,))
+    if (tile + 1) * tile_elems <= n:
+        copy_out(tile_copy.get_slice(thread), values, row_tile, None)
+    else:
+        thread_copy = element_copy.get_slice(thread)
+        coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
+        copy_out(thread_copy, values, row_tile, in_bounds_mask(thread_copy, coords, n))
+
+
+def registers(count):
+    return cute.make_rmem_tensor(count, cutlass.Float32)
+
+
+@cute.kernel
+def rmsnorm_forward_kernel(
+    x: cute.Tensor, res: cute.Tensor, w: cute.Tensor, y: cute.Tensor, rstd: cute.Tensor,
+    h: cute.Tensor, n: cutlass.Int32, eps: cutlass.Float32, copies, w_copies,
+    tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+    fused: cutlass.Constexpr[bool],
+):  # fmt: skip
+    row, _, _ = cute.arch.block_idx()
+    thread, _, _ = cute.arch.thread_idx()
+    tiles = (n + tile_elems - 1) // tile_elems
+    values, other = registers(per_thread), registers(per_thread)
+    thread_sum = cutlass.Float32(0.0)
+    for tile in cutlass.range(tiles):
+        load_tile(copies, x[row, None], tile, n, tile_elems, values)
+        if cutlass.const_expr(fused):  # h = x + residual, rounded once to x's dtype, stored
+            load_tile(copies, res[row, None], tile, n, tile_elems, other)
+            for j in cutlass.range_constexpr(per_thread):
+                values[j] = (values[j] + other[j]).to(x.element_type).to(cutlass.Float32)
+            store_tile(copies, h[row, None], tile, n, tile_elems, values)
+        thread_sum = thread_sum + pairwise_sum([values[j] * values[j] for j in range(per_thread)])
+    mean_square = block_sum(thread_sum) / n.to(cutlass.Float32)
+    row_rstd = cute.math.rsqrt(mean_square + eps, fastmath=True)
+    if thread == 0:
+        rstd[row] = row_rstd
+    source = h if cutlass.const_expr(fused) else x  # fused: read the stored stream back
+    for back in cutlass.range(tiles):
+        tile = tiles - 1 - back
+        load_tile(copies, source[row, None], tile, n, tile_elems, values)
+        load_tile(w_copies, w, tile, n, tile_elems, other)
+        for j in cutlass.range_constexpr(per_thread):
+            values[j] = values[j] * row_rstd * other[j]
+        store_tile(copies, y[row, None], tile, n, tile_elems, values)
+
+
+@cute.kernel
+def row_dots_kernel(
+    x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, mean_dots: cute.Tensor,
+    n: cutlass.Int32, copies, w_copies, tile_elems: cutlass.Constexpr[int],
+    per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    """mean(g * xhat) of a row, g = dy w, xhat = x rstd."""
+    row, _, _ = cute.arch.block_idx()
+    thread, _, _ = cute.arch.thread_idx()
+    r = rstd[row]
+    xs, dys, ws = registers(per_thread), registers(per_thread), registers(per_thread)
+    thread_dot = cutlass.Float32(0.0)
+    for tile in cutlass.range((n + tile_elems - 1) // tile_elems):
+        load_tile(copies, x[row, None], tile, n, tile_elems, xs)
+        load_tile(copies, dy[row, None], tile, n, tile_elems, dys)
+        load_tile(w_copies, w, tile, n, tile_elems, ws)
+        products = [(dys[j] * ws[j]) * (xs[j] * r) for j in range(per_thread)]
+        thread_dot = thread_dot + pairwise_sum(products)
+    mean_dot = block_sum(thread_dot) / n.to(cutlass.Float32)
+    if thread == 0:
+        mean_dots[row] = mean_dot
+
+
+@cute.kernel
+def rmsnorm_backward_columns_kernel(
+    x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, dres: cute.Tensor,
+    dx: cute.Tensor, mean_dots: cute.Tensor, partials: cute.Tensor, m: cutlass.Int32,
+    n: cutlass.Int32, rows_per_group: cutlass.Int32, copies, f32_copies,
+    tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+    fused: cutlass.Constexpr[bool],
+):  # fmt: skip
+    """dx of one tile of columns for a group of rows, and that tile's dweight partial."""
+    tile, group, _ = cute.arch.block_idx()
+    xs, dys, ws, other = (registers(per_thread) for _ in range(4))
+    dweight = registers(per_thread)
+    dweight.fill(0.0)
+    load_tile(f32_copies[1], w, tile, n, tile_elems, ws)
+    first = group * rows_per_group
+    for row in cutlass.range(first, cutlass.min(first + rows_per_group, m)):
+        r, mean_dot = rstd[row], mean_dots[row]
+        load_tile(copies, x[row, None], tile, n, tile_elems, xs)
+        load_tile(copies, dy[row, None], tile, n, tile_elems, dys)
+        if cutlass.const_expr(fused):
+            load_tile(copies, dres[row, None], tile, n, tile_elems, other)
+        for j in cutlass.range_constexpr(per_thread):
+            xhat = xs[j] * r
+            dweight[j] = dweight[j] + dys[j] * xhat
+            xs[j] = r * (dys[j] * ws[j] - xhat * mean_dot)
+            if cutlass.const_expr(fused):
+                xs[j] = xs[j] + other[j]
+        store_tile(copies, dx[row, None], tile, n, tile_elems, xs)
+    store_tile(f32_copies[0], partials[group, None], tile, n, tile_elems, dweight)
+
+
+@cute.kernel
+def sum_partials_kernel(
+    partials: cute.Tensor, dweight: cute.Tensor, groups: cutlass.Int32, n: cutlass.Int32,
+    f32_copies, tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    """dweight = the groups' partials added in group order, rounded once to its dtype."""
+    tile, _, _ = cute.arch.block_idx()
+    total, values = registers(per_thread), registers(per_thread)
+    total.fill(0.0)
+    for group in cutlass.range(groups):
+        load_tile(f32_copies[0], partials[group, None], tile, n, tile_elems, values)
+        for j in cutlass.range_constexpr(per_thread):
+            total[j] = total[j] + values[j]
+    store_tile(f32_copies[1], dweight, tile, n, tile_elems, total)
+
+
+def tiled_copies(dtype, run, vectorized):
+    """(tile copy, element copy) of one operand: thread t owns runs of `run` adjacent elements
+    (16 bytes of x's dtype), the 256 threads side by side, VECTORS_PER_THREAD runs each per
+    tile. The tile copy moves 128 bits per access (a float32 run of 8: two), the element copy
+    one element under its own predicate; both give a thread the same elements."""
+    thread_layout, value_layout = cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run)
+    bits = min(VECTOR_BYTES * 8, dtype.width * run) if vectorized else dtype.width
+    tile_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    element_atom = cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
+    )
+    return (
+        cute.make_tiled_copy_tv(tile_atom, thread_layout, value_layout),
+        cute.make_tiled_copy_tv(element_atom, thread_layout, value_layout),
+    )
+
+
+def tile_shape(x_width):
+    """(run, elements per thread per tile, elements per tile) for x's dtype width in bits."""
+    run = VECTOR_BYTES * 8 // x_width
+    return run, VECTORS_PER_THREAD * run, THREADS_PER_BLOCK * VECTORS_PER_THREAD * run
+
+
+@cute.jit
+def launch_forward(
+    x: cute.Tensor, res: cute.Tensor, w: cute.Tensor, y: cute.Tensor, rstd: cute.Tensor,
+    h: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream,
+    vectorized: cutlass.Constexpr[bool], fused: cutlass.Constexpr[bool],
+):  # fmt: skip
+    m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
+    run, per_thread, tile_elems = tile_shape(x.element_type.width)
+    copies = tiled_copies(x.element_type, run, vectorized)
+    w_copies = tiled_copies(w.element_type, run, vectorized)
+    rmsnorm_forward_kernel(
+        x, res, w, y, rstd, h, n, eps, copies, w_copies, tile_elems, per_thread, fused
+    ).launch(grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+
+
+@cute.jit
+def launch_backward(
+    x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, dres: cute.Tensor,
+    dx: cute.Tensor, mean_dots: cute.Tensor, partials: cute.Tensor, dweight: cute.Tensor,
+    rows_per_group: cutlass.Int32, stream: cuda.CUstream, vectorized: cutlass.Constexpr[bool],
+    fused: cutlass.Constexpr[bool],
+):  # fmt: skip
+    m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
+    groups = cutlass.Int32(cute.size(partials, mode=[0]))
+    run, per_thread, tile_elems = tile_shape(x.element_type.width)
+    tiles = (n + tile_elems - 1) // tile_elems
+    copies = tiled_copies(x.element_type, run, vectorized)
+    w_copies = tiled_copies(w.element_type, run, vectorized)
+    f32_copies = (tiled_copies(cutlass.Float32, run, vectorized), w_copies)
+    block = [THREADS_PER_BLOCK, 1, 1]
+    row_dots_kernel(x, w, rstd, dy, mean_dots, n, copies, w_copies, tile_elems, per_thread).launch(
+        grid=[m, 1, 1], block=block, stream=stream
+    )
+    rmsnorm_backward_columns_kernel(
+        x, w, rstd, dy, dres, dx, mean_dots, partials, m, n, rows_per_group, copies, f32_copies,
+        tile_elems, per_thread, fused,
+    ).launch(grid=[tiles, groups, 1], block=block, stream=stream)  # fmt: skip
+    sum_partials_kernel(partials, dweight, groups, n, f32_copies, tile_elems, per_thread).launch(
+        grid=[tiles, 1, 1], block=block, stream=stream
+    )
+
+
+def operand(dtype, shape, vectorized):
+    """What cute.compile sees of an operand: symbolic sizes, and either unit last stride with
+    the other strides divisible by a 16-byte vector on a 16-byte boundary (the vector build)
+    or symbolic strides on an element boundary."""
+    per_vector = VECTOR_BYTES // dtype.itemsize
+    if vectorized:
+        stride = (*(cute.sym_int64(divisibility=per_vector) for _ in shape[:-1]), 1)
+    else:
+        stride = tuple(cute.sym_int64() for _ in shape)
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], shape, stride=stride,
+        assumed_align=VECTOR_BYTES if vectorized else dtype.itemsize,
+    )  # fmt: skip
+
+
+def statistic(m):
+    """rstd or mean_dots: M float32 values at any stride."""
+    return cute.runtime.make_fake_tensor(
+        cutlass.Float32, (m,), stride=(cute.sym_int64(),), assumed_align=4
+    )
+
+
+def build(direction, dtype, weight_dtype, vectorized, fused, options=""):
+    """cute.compile the forward (x, residual, w, y, rstd, h, eps) or backward (x, w, rstd, dy,
+    dresidual_out, dx, mean_dots, partials, dweight, rows_per_group) launcher for TVM-FFI calls
+    on torch tensors, on torch's current stream. The operands share symbolic M and N; each has
+    its own strides (TVM-FFI checks that operands sharing a symbol pass equal values)."""
+    m, n = cute.sym_int64(), cute.sym_int64()
+    rows = lambda: operand(dtype, (m, n), vectorized)  # noqa: E731
+    w = lambda: operand(weight_dtype, (n,), vectorized)  # noqa: E731
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if direction == "forward":
+        operands = (rows(), rows(), w(), rows(), statistic(m), rows(), 0.0)
+        launcher = launch_forward
+    else:
+        partials = operand(torch.float32, (cute.sym_int64(), n), vectorized)
+        operands = (rows(), w(), statistic(m), rows(), rows(), rows(), statistic(m), partials,
+                    w(), 1)  # fmt: skip
+        launcher = launch_backward
+    return cute.compile(
+        launcher, *operands, stream, vectorized, fused, options=f"--enable-tvm-ffi {options}"
+    )
+
+
+@functools.cache
+def compile_kernel(direction, dtype, weight_dtype, vectorized, fused):
+    """The compiled launcher, built once per specialisation and cached."""
+    return build(direction, dtype, weight_dtype, vectorized, fused).__tvm_ffi_object__()
+
+
+def ptx_of(direction, dtype, vectorized, fused=False):
+    """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(direction, dtype, dtype, vectorized, fused, options).__ptx__
+
+
+def is_vector_friendly(t):
+    """Unit last stride, 16-byte aligned start, other strides whole 16-byte vectors."""
+    per_vector = VECTOR_BYTES // t.element_size()
+    return (
+        t.data_ptr() % VECTOR_BYTES == 0
+        and (t.stride(-1) == 1 or t.shape[-1] == 1)
+        and all(t.stride(d) % per_vector == 0 or t.shape[d] == 1 for d in range(t.dim() - 1))
+    )
+
+
+@functools.cache
+def groups_of(m, n, dtype):
+    """(rows per group, groups) of the columns kernel: GROUPS_MAX blocks over all tiles."""
+    tiles = -(-n // tile_shape(dtype.itemsize * 8)[2])
+    rows_per_group = -(-m // min(m, max(GROUPS_MAX // tiles, 1)))
+    return rows_per_group, -(-m // rows_per_group)
+
+
+def forward_path(n, dtype):
+    """Roundings on a square's way into mean(h**2): the tile's pairwise tree, an add into the
+    thread's sum per tile, the 8 levels of block_sum, the division by n."""
+    _, per_thread, tile_elems = tile_shape(dtype.itemsize * 8)
+    levels = int(math.log2(per_thread)) + -(-n // tile_elems) + int(math.log2(THREADS_PER_BLOCK))
+    return levels + 1
+
+
+backward_path = forward_path  # mean(g * xhat): the same tree
+
+
+def dweight_path(m, n, dtype):
+    """Additions on a term's way into dweight: one per row of its group, one per group."""
+    rows_per_group, groups = groups_of(max(m, 1), n, dtype)
+    return rows_per_group + groups
+
+
+def rmsnorm_forward(x, weight, eps, y, rstd, residual=None, residual_out=None):
+    check_forward(x, weight, eps, y, rstd, residual, residual_out)
+    fused = residual is not None
+    outputs = (y, rstd) if not fused else (y, rstd, residual_out)
+    if not x.is_cuda:
+        raise ValueError(f"the operands are on {x.device}; the CuTe kernel needs CUDA tensors")
+    if x.numel() == 0:
+        return outputs
+    x_rows = as_rows(x)[0]
+    res_rows = as_rows(residual)[0] if fused else x_rows
+    (y_rows, y_copied), (rstd_vec, rstd_copied) = (as_rows(y, True), as_rows(rstd[..., None], True))
+    h_rows, h_copied = as_rows(residual_out, True) if fused else (x_rows, False)
+    vectorized = all(is_vector_friendly(t) for t in (x_rows, res_rows, weight, y_rows, h_rows))
+    kernel = compile_kernel("forward", x.dtype, weight.dtype, vectorized, fused)
+    # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
+    kernel(x_rows, res_rows, weight, y_rows, rstd_vec.view(-1), h_rows, eps)
+    for copied, target, source in ((y_copied, y, y_rows), (rstd_copied, rstd, rstd_vec),
+                                   (h_copied, residual_out, h_rows)):  # fmt: skip
+        if copied:
+            target.copy_(source.view(target.shape))
+    return outputs
+
+
+def rmsnorm_backward(x, weight, rstd, dy, dx, dweight, dresidual_out=None):
+    check_backward(x, weight, rstd, dy, dx, dweight, dresidual_out)
+    fused = dresidual_out is not None
+    if not x.is_cuda:
+        raise ValueError(f"the operands are on {x.device}; the CuTe kernel needs CUDA tensors")
+    if x.numel() == 0:
+        dweight.zero_()  # a sum over no rows (or of rows of no elements)
+        return dx, dweight
+    x_rows, dy_rows = as_rows(x)[0], as_rows(dy)[0]
+    dres_rows = as_rows(dresidual_out)[0] if fused else x_rows
+    dx_rows, dx_copied = as_rows(dx, for_output=True)
+    rstd_vec = as_rows(rstd[..., None])[0].view(-1)
+    m, n = x_rows.shape
+    rows_per_group, groups = groups_of(m, n, x.dtype)
+    padded = -(-n // 8) * 8  # partial rows start on 32-byte boundaries
+    partials = torch.empty(groups, padded, device=x.device, dtype=torch.float32)[:, :n]
+    mean_dots = torch.empty(m, device=x.device, dtype=torch.float32)
+    operands = (x_rows, weight, dy_rows, dres_rows, dx_rows, partials, dweight)
+    vectorized = all(is_vector_friendly(t) for t in operands)
+    kernel = compile_kernel("backward", x.dtype, weight.dtype, vectorized, fused)
+    kernel(x_rows, weight, rstd_vec, dy_rows, dres_rows, dx_rows, mean_dots, partials, dweight,
+           rows_per_group)  # fmt: skip
+    if dx_copied:
+        dx.copy_(dx_rows.view(dx.shape))
+    return dx, dweight
+
+
+_plumbing = model_plumbing("cute", rmsnorm_forward, rmsnorm_backward)
+RMSNormFunction, rmsnorm, RMSNorm = _plumbing.RMSNormFunction, _plumbing.rmsnorm, _plumbing.RMSNorm
