@@ -38,6 +38,8 @@ def address_range(t):
     """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
     if t.numel() == 0:
         return None
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
@@ -56,6 +58,8 @@ def overlap(a, b):
 def elements_collide(t):
     """True unless t's elements have distinct addresses by the simple test: sorted by stride,
     each dimension's stride steps past everything the smaller ones span (conservative)."""
+    if t.is_contiguous():
+        return False
     span = 0
     for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
         if size > 1:

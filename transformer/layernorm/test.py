@@ -82,6 +82,8 @@ def statistics_path(impl, n, dtype):
     the mean of the row's first C elements and corrected (C None: torch's plain two-pass)."""
     if impl == "torch":  # any order: up to n additions
         return n, None
+    if impl == "torch.nn":  # torch.nn.LayerNorm, ATen's Welford updates: 3 roundings an element
+        return 3 * n, None
     return module(impl).statistics_path(n, dtype)
 
 
@@ -678,6 +680,131 @@ class TinyBlock(torch.nn.Module):
 
     def forward(self, x):
         return self.down(self.norm(self.up(x)))
+
+
+def mlp(norm):
+    """The training check's model: two blocks of Linear -> layernorm -> ReLU, a linear head."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 32), norm(32), torch.nn.ReLU(),
+        torch.nn.Linear(32, 32), norm(32), torch.nn.ReLU(),
+        torch.nn.Linear(32, 8),
+    ).to(DEVICE)  # fmt: skip
+
+
+def loss_bound(norm_impl, model, x, target):
+    """README.md's bound on |loss_hat - loss| for one forward of the stack ("In training"),
+    with norm_impl's forward bound for its layernorms, and the exact loss. Float64 at the
+    model's float32 parameters, carrying per element the exact value v and a bound d on the
+    computed one's distance from it:
+        Linear (K inputs):  d_z = |W| d_h + gamma_{K+1} (|W| (|h| + d_h) + |b|)
+        layernorm:          d_y = (1 + 1/16) F + |w| (rstd (d_z + mean d_z)(1 + S) + |xhat| S)
+                            T = 2 rstd mean(|xhat| d_z) + rstd**2 mean((d_z + mean d_z)**2),
+                            S = (1 - T)**-1/2 - 1,  F its own forward bound (at the exact z)
+        ReLU:               d unchanged (1-Lipschitz, exact)
+        mean square loss:   mean(2 |o - t| d_o + d_o**2) + gamma_{n+3} mean((|o - t| + d_o)**2)
+    The 1 + 1/16 covers F's move from the exact z to the computed one (T < 1/64, asserted).
+    Returns ([bound on the batch's loss, on each example's], [the same losses, exact])."""
+    h = x.detach().cpu().double()
+    d = torch.zeros_like(h)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            w, b = layer.weight.detach().cpu().double(), layer.bias.detach().cpu().double()
+            d = d @ w.abs().T + gamma(w.shape[1] + 1, U32) * ((h.abs() + d) @ w.abs().T + b.abs())
+            h = h @ w.T + b
+        elif isinstance(layer, torch.nn.ReLU):
+            h = h.clamp_min(0)
+        else:
+            weight, bias = layer.weight.detach().cpu(), layer.bias.detach().cpu()
+            exact = float64_forward(h, weight, bias, layer.eps)
+            own = forward_bounds(norm_impl, h.float(), weight, layer.eps, exact)[0]
+            rstd, spread = exact[2][:, None], d + d.mean(-1, keepdim=True)
+            xhat = ((h - exact[1][:, None]) * rstd).abs()
+            t = 2 * rstd * (xhat * d).mean(-1, keepdim=True) + rstd**2 * spread.square().mean(
+                -1, keepdim=True
+            )
+            assert t.max() < 1 / 64, "F is taken at the exact z: the computed one must be near"
+            s = (1 - t) ** -0.5 - 1
+            moved = weight.double().abs() * (rstd * spread * (1 + s) + xhat * s)
+            h, d = exact[0], (1 + 1 / 16) * own + moved
+    miss = (h - target.cpu().double()).abs()
+    bounds, losses = [], []
+    for dims in ((0, 1), 1):  # the batch's loss, each example's
+        n = h.numel() if dims == (0, 1) else h.shape[1]
+        losses.append(miss.square().mean(dim=dims))
+        bounds.append(
+            (2 * miss * d + d**2).mean(dim=dims)
+            + gamma(n + 3, U32) * (miss + d).square().mean(dim=dims)
+        )
+    return bounds, losses
+
+
+class NeighbourRowLayerNorm(torch.nn.LayerNorm):
+    """The negative control's bug: every row normalised with the next row's mean and rstd
+    (a row index off by one where the statistics are read)."""
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        rstd = torch.rsqrt((x - mean).square().mean(dim=-1, keepdim=True) + self.eps)
+        mean, rstd = mean.roll(-1, dims=0), rstd.roll(-1, dims=0)
+        return (x - mean) * rstd * self.weight + self.bias
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_like_torch(impl, compiled):
+    """Two blocks of Linear -> LayerNorm -> ReLU and a linear head, 20 SGD steps of a mean
+    square loss on synthetic regression data, with our LayerNorm and with torch.nn.LayerNorm
+    from one state_dict (loaded strictly: the drop-in's keys), eagerly or under
+    torch.compile(fullgraph=True). Every step both start from torch's parameters, so the two
+    losses differ by one forward's error at most: README.md's bound ("In training"), ours
+    plus torch's, for the batch's loss and for each example's. Negative control: torch's model
+    with every row normalised with the next row's statistics gives example losses the bound
+    rejects at every step (the batch's loss alone lets such errors cancel)."""
+    if compiled and impl == "torch":
+        pytest.skip(
+            "torch_impl's operand checks (data pointers) do not trace: Triton and CuTe "
+            "compile through their custom ops, as in test_torch_compile_fullgraph"
+        )
+    fns = implementation(impl)
+    torch.manual_seed(0)
+    theirs = mlp(torch.nn.LayerNorm)
+    ours = mlp(fns.LayerNorm)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    wrong = mlp(NeighbourRowLayerNorm)
+    mixing = (torch.randn(32, 8) / 32**0.5).to(DEVICE)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    run = {"ours": ours, "theirs": theirs}
+    if compiled:
+        run = {k: torch.compile(m, fullgraph=True, backend=backend) for k, m in run.items()}
+    step_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+    step_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    losses = []
+    for _ in range(20):
+        ours.load_state_dict(theirs.state_dict())  # re-anchored: one step's error, not twenty
+        wrong.load_state_dict(theirs.state_dict())
+        x = torch.randn(8, 32).to(DEVICE)  # drawn on the CPU: the same data on a GPU
+        target = torch.tanh(3 * x @ mixing)
+        out = {name: model(x) for name, model in run.items()}
+        with torch.no_grad():
+            out["wrong"] = wrong(x)
+        loss = {name: torch.nn.functional.mse_loss(o, target) for name, o in out.items()}
+        each = {name: (o - target).square().mean(dim=1) for name, o in out.items()}
+        bound_ours, exact = loss_bound(impl, ours, x, target)
+        bound_theirs, _ = loss_bound("torch.nn", theirs, x, target)
+        for k, (got, want) in enumerate(((loss, "batch loss"), (each, "example losses"))):
+            bound = bound_ours[k] + bound_theirs[k]
+            theirs64 = got["theirs"].detach().double()
+            assert_within_bound(got["ours"], theirs64, bound, f"{impl} {want}")
+            assert_within_bound(got["theirs"], exact[k], bound_theirs[k], f"torch {want}")
+        bound = bound_ours[1] + bound_theirs[1]
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(each["wrong"], each["theirs"].detach().double(), bound)
+        losses.append(loss["theirs"].item())
+        for optimizer, name in ((step_ours, "ours"), (step_theirs, "theirs")):
+            optimizer.zero_grad()
+            loss[name].backward()
+            optimizer.step()
+    assert losses[-1] < 0.9 * losses[0], "20 steps should lower the loss"
 
 
 @pytest.mark.parametrize("impl", ["triton", "cute"])

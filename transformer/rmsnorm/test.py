@@ -614,6 +614,142 @@ def test_torch_compile_fullgraph(impl):
         same(p.grad, eager_grad)
 
 
+# 20 training steps of an MLP stack, the losses against torch.nn.RMSNorm's (README.md, "In
+# training")
+
+TRAIN_WIDTHS, TRAIN_BATCH, TRAIN_STEPS, TRAIN_LR = (16, 32, 32, 32, 4), 16, 20, 0.05
+
+
+def mlp_stack(norm_class):
+    """Linear -> norm -> ReLU, three times, then a Linear to 4 outputs (float32)."""
+    layers, widths = [], TRAIN_WIDTHS
+    for k_in, n in zip(widths[:-2], widths[1:-1], strict=True):
+        layers += [torch.nn.Linear(k_in, n), norm_class(n, eps=EPS), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(widths[-2], widths[-1])).to(DEVICE)
+
+
+def mse(out, target):
+    return (out - target).square().mean()
+
+
+def row_norms(t):
+    return t.square().sum(-1, keepdim=True).sqrt()
+
+
+def norm_error(impl, z, e_z, weight):
+    """(y, e_y): the exact RMSNorm of the exact input z (float64 rows) and a bound on each
+    row's ||y_hat - y||_2 when the computed input z_hat is within e_z of z (a row's 2-norm).
+    y = w z / rho(z), rho = sqrt(mean z**2 + eps), has the Jacobian diag(w) (I - z z^T / (n
+    rho**2)) / rho, of 2-norm <= max|w| / rho (z z^T / (n rho**2) has the eigenvalue
+    1 - eps / rho**2 in [0, 1)); along the segment from z to z_hat rho >= rho - e_z / sqrt(n)
+    (rho is the Euclidean norm of (z / sqrt n, sqrt eps)). The kernel's own rounding at z_hat
+    is forward_bounds' with eps = 0 (where mean(h**2)'s relative error is largest, so it does
+    not depend on z_hat's sum of squares) of |y| + that shift, taken over the row."""
+    n, w = z.shape[-1], weight.detach().cpu().double()
+    y, rstd = float64_forward(z, w, EPS)
+    rho_low = 1 / rstd[:, None] - e_z / math.sqrt(n)
+    assert (rho_low > 0).all(), "the input error swamps the row's scale: no bound"
+    moved = w.abs().max() * e_z / rho_low
+    local, _ = forward_bounds(impl, z.float(), weight.detach().cpu(), 0.0, y.abs() + moved, rstd)
+    return y, moved + row_norms(local)
+
+
+def loss_error(impl, model, x, target):
+    """(loss, E): the exact loss of `model`'s parameters on (x, target) (float64: the stand-in
+    of test_stand_ins_match_reference) and README.md's bound on the computed loss when the
+    norms are `impl`'s. Errors are carried as each row's 2-norm e. A Linear's k-term dot
+    products plus the bias, summed in any order (a GEMM's blocking, FMA or not), are within
+    gamma_(k+1) (|W| |a_hat| + |b|) of W a_hat + b, so e' = ||W||_2 e + gamma_(k+1) (|||W| |a|
+    + |b||| + |||W|||_2 e); ReLU is exact and 1-Lipschitz; the loss: (out - t) rounds once, its
+    square once, the mean of B d terms gamma_(B d), with sum |r_hat**2 - r**2| <= sum over rows
+    e_r (2 ||r|| + e_r) (Cauchy-Schwarz)."""
+    a, e = x.cpu().double(), torch.zeros(x.shape[0], 1, dtype=torch.float64)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            w, b = layer.weight.detach().cpu().double(), layer.bias.detach().cpu().double()
+            spectral, spectral_abs = (torch.linalg.matrix_norm(m, ord=2) for m in (w, w.abs()))
+            rounding = gamma(w.shape[1] + 1, U32) * (
+                row_norms(a.abs() @ w.abs().T + b.abs()) + spectral_abs * e
+            )
+            a, e = a @ w.T + b, spectral * e + rounding
+        elif isinstance(layer, torch.nn.ReLU):
+            a = a.clamp_min(0)
+        else:
+            a, e = norm_error(impl, a, e, layer.weight)
+    r = a - target.cpu().double()
+    r_norm = row_norms(r)
+    e_r = e + U32 * (r_norm + e)
+    e_square = e_r * (2 * r_norm + e_r) + U32 * (r_norm + e_r).square()
+    terms = r.numel()
+    loss = r.square().mean()
+    return loss, (e_square.sum() + gamma(terms, U32) * (r.square().sum() + e_square.sum())) / terms
+
+
+class UnbiasedRMSNorm(torch.nn.RMSNorm):
+    """A negative control: mean(x**2) over N - 1 (a plausible slip), rstd 1 + 1/(2N) off."""
+
+    def forward(self, x):
+        n = x.shape[-1]
+        return x * torch.rsqrt(x.square().sum(-1, keepdim=True) / (n - 1) + self.eps) * self.weight
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_like_torch(impl, compiled):
+    """An MLP stack (Linear -> RMSNorm -> ReLU, three blocks) with our RMSNorm and with
+    torch.nn.RMSNorm, 20 SGD steps on synthetic regression data: at every step both start
+    from torch's parameters (ours loads torch's state_dict: the drop-in's keys), and the two
+    losses differ by at most the sum of each side's bound (README.md, "In training"). Ours
+    also steps (its backward runs, under torch.compile too) and is re-anchored. Negative
+    controls: at every step, the loss of a batch that missed one example; at the first, a
+    norm taking mean(x**2) over N - 1 (3-4 bounds off there; later steps move its first-order
+    effect on the loss through 0, so it is no per-step control)."""
+    fns = implementation(impl)
+    torch.manual_seed(0)
+    theirs, ours = mlp_stack(torch.nn.RMSNorm), mlp_stack(fns.RMSNorm)
+    wrong = mlp_stack(UnbiasedRMSNorm)
+    with torch.no_grad():  # drawn on the CPU: the same numbers, so the same bounds, on a GPU
+        for layer in theirs:
+            if isinstance(layer, torch.nn.RMSNorm):
+                layer.weight.copy_(1 + 0.5 * torch.randn(layer.weight.shape))
+    x = torch.randn(TRAIN_BATCH, TRAIN_WIDTHS[0])
+    target = torch.sin(x @ torch.randn(TRAIN_WIDTHS[0], TRAIN_WIDTHS[-1])).to(DEVICE)
+    x = x.to(DEVICE)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    run = torch.compile(ours, fullgraph=True, backend=backend) if compiled else ours
+    sgd_theirs = torch.optim.SGD(theirs.parameters(), lr=TRAIN_LR)
+    sgd_ours = torch.optim.SGD(ours.parameters(), lr=TRAIN_LR)
+    losses, worst, control = [], 0.0, math.inf
+    for _ in range(TRAIN_STEPS):
+        ours.load_state_dict(theirs.state_dict())
+        wrong.load_state_dict(theirs.state_dict())
+        loss_ours = mse(run(x), target)
+        loss_theirs = mse(theirs(x), target)
+        with torch.no_grad():
+            loss_wrong = mse(wrong(x), target)
+        exact, bound_ours = loss_error(impl, theirs, x, target)
+        _, bound_theirs = loss_error("torch", theirs, x, target)
+        bound = (bound_ours + bound_theirs).reshape(1)
+        assert_within_bound(loss_ours.reshape(1), loss_theirs.detach().reshape(1), bound,
+                            f"{impl} loss at step {len(losses)}")  # fmt: skip
+        missed_one = mse(theirs(x)[1:], target[1:]).detach()
+        for wrong_loss in [missed_one] + ([loss_wrong] if not losses else []):
+            with pytest.raises(AssertionError, match="outside the bound"):
+                assert_within_bound(wrong_loss.reshape(1), loss_theirs.detach().reshape(1), bound)
+        worst = max(worst, (loss_ours - loss_theirs).abs().item() / bound.item())
+        control = min(control, (missed_one - loss_theirs).abs().item() / bound.item())
+        losses.append(loss_theirs.item())
+        for loss, sgd in ((loss_ours, sgd_ours), (loss_theirs, sgd_theirs)):
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+        assert all(p.isfinite().all() for p in ours.parameters())
+    print(f"{impl} {'compiled' if compiled else 'eager'}: losses {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f}, largest |loss - torch's| / bound {worst:.3g}, control's smallest "
+          f"{control:.3g}")  # fmt: skip
+    assert losses[-1] < losses[0]
+
+
 # (3) Triton: the looped and columns kernels, the groups, and the dispatch ------------------
 
 
