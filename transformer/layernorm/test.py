@@ -859,16 +859,39 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
 
 
 def test_triton_dispatch():
-    """Rows up to ROW_BLOCK_MAX go to the forward rows kernel, several short rows a program;
-    the backward cuts the rows into at most PARTIALS_MAX groups of equal length."""
-    assert triton_impl.rows_launch(1000, 1)[1:3] == (1024, 1)
-    assert triton_impl.rows_launch(3, 100)[1] == 4  # never more rows than m needs
-    assert triton_impl.rows_launch(8, 32768)[1:] == (1, 32768, 32)
-    assert triton_impl.rows_launch(8, 32769) is None
-    assert triton_impl.row_groups(1) == (1, 1)
-    assert triton_impl.row_groups(512) == (512, 1)
-    assert triton_impl.row_groups(513) == (257, 2)
-    assert triton_impl.row_groups(32768) == (512, 64)
+    """Rows up to ROW_BLOCK_MAX (BACKWARD_ROW_BLOCK_MAX) go to the rows kernels, several short
+    rows a program (a step); the backward cuts the rows into at most PARTIALS_MAX groups of
+    equal length, each a whole number of steps."""
+    forward, backward = triton_impl.ROW_BLOCK_MAX, triton_impl.BACKWARD_ROW_BLOCK_MAX
+    assert triton_impl.rows_launch(1000, 1, forward)[:2] == (1024, 1)
+    assert triton_impl.rows_launch(3, 100, forward)[0] == 4  # never more rows than m needs
+    assert triton_impl.rows_launch(8, 32768, forward) == (1, 32768, 32)
+    assert triton_impl.rows_launch(8, 32769, forward) is None
+    assert triton_impl.rows_launch(8, 8192, backward) == (1, 8192, 16)
+    assert triton_impl.rows_launch(8, 8193, backward) is None
+    assert triton_impl.row_groups(1, 4096) == (1, 1)
+    assert triton_impl.row_groups(512, 4096) == (512, 1)
+    assert triton_impl.row_groups(513, 4096) == (257, 2)
+    assert triton_impl.row_groups(32768, 4096) == (512, 64)
+    assert triton_impl.row_groups(32768, 1024) == (512, 64)  # 32 steps of 2 rows
+    assert triton_impl.row_groups(1000, 128) == (63, 16)  # one step of 16 rows each
+    assert triton_impl.row_groups(1000, 8193) == (500, 2)  # looped: a row a step
+    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 512)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["affine", "none"])
+def test_triton_row_blocks_in_groups(dtype, kind, monkeypatch):
+    """With 512-element programs and at most 4 row groups, 37 rows of 100 take the backward
+    rows kernel 4 rows a step, 3 steps a group, and the last group's one row leaves a step
+    mostly past m: the H200's several steps of ROWS rows a group, at sizes the interpreter
+    runs."""
+    monkeypatch.setattr(triton_impl, "PROGRAM_ELEMS_MIN", 512)
+    monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 4)
+    assert triton_impl.rows_launch(37, 100, triton_impl.BACKWARD_ROW_BLOCK_MAX)[:2] == (4, 128)
+    assert triton_impl.row_groups(37, 100) == (4, 12)
+    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 4)
+    forward_then_backward("triton", random_rows(37, 100, dtype), random_rows(37, 100, dtype), kind)
 
 
 def test_triton_looped_at_real_size():
