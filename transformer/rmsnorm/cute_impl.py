@@ -45,7 +45,7 @@ VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
 VECTORS_PER_THREAD = 2
 # A 2 KB row over a block's 256 threads leaves 3/4 of them idle and the block waiting on its
 # barrier; rows of at most 4 KB go a warp each (8 rows, up to 32 KB, a block) and are reduced by
-# shuffles alone. Longer rows keep a block each: a warp would walk 16 tiles or more.
+# shuffles alone. Longer rows keep a block each: they fill over half its 8 KB tile.
 WARP_ROW_BYTES_MAX = 4096
 # Blocks of the columns kernel: about four per H200 SM, fixed by the shape alone so that the
 # order of dweight's sum does not depend on the device.
