@@ -838,18 +838,43 @@ def test_triton_builds_with_every_int_one():
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
+# N = 1, 7, 1024, 2048, 4096: the forward's threads per row and forward_path's K (log2 V +
+# tiles + log2 threads + 1; V = 16 in bf16 and fp16, 8 in float32).
+CUTE_FORWARD_MAPS = {
+    torch.bfloat16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
+    torch.float16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
+    torch.float32: [(32, 10), (32, 10), (32, 13), (256, 13), (256, 14)],
+}
+
+
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cute_ptx(direction, dtype):
-    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
-    the any-stride build), block_sum's warp shuffles, div.rn for the means, and in the forward
-    the rsqrt.approx README.md's bound counts."""
-    vector = cute_impl.ptx_of(direction, dtype, vectorized=True, fused=True)
-    scalar = cute_impl.ptx_of(direction, dtype, vectorized=False)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_forward_map(dtype):
+    """Rows of at most WARP_ROW_BYTES_MAX a warp each, longer rows a block; forward_path counts
+    the tree of that map (backward_path: row_dots_kernel's block at every N)."""
+    for n, (threads, path) in zip([1, 7, 1024, 2048, 4096], CUTE_FORWARD_MAPS[dtype], strict=True):
+        assert cute_impl.forward_threads_per_row(n, dtype) == threads
+        assert cute_impl.forward_path(n, dtype) == path
+        assert cute_impl.backward_path(n, dtype) == cute_impl.row_sum_path(n, dtype, 256)
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("direction, threads", [("forward", 32), ("forward", 256),
+                                                ("backward", 256)])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(direction, threads, dtype):
+    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map):
+    128-bit loads and stores on the vector path (none in the any-stride build), warp shuffles,
+    div.rn for the means, no spills, in the forward the rsqrt.approx README.md's bound counts;
+    block_sum's one bar.sync where a block holds a row, none where a warp does."""
+    vector = cute_impl.ptx_of(direction, dtype, True, True, threads)
+    scalar = cute_impl.ptx_of(direction, dtype, False, False, threads)
+    for ptx in (vector, scalar):
+        assert "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx and "div.approx" not in ptx
+        assert ("bar.sync" in ptx) == (threads == 256)
+        assert "ld.local" not in ptx
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
-    assert "shfl.sync.bfly" in vector and "div.rn.f32" in vector and "div.approx" not in vector
     if direction == "forward":
         assert "rsqrt.approx.ftz.f32" in vector
 
@@ -949,7 +974,9 @@ def test_stand_ins_match_reference():
 @gpu_only
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, n", [(4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)])
+@pytest.mark.parametrize(
+    "m, n", [(4099, 1024), (4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)]
+)
 def test_large_rows_against_float64(impl, dtype, m, n):
     fns = implementation(impl)
     x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
