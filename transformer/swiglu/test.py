@@ -1,11 +1,13 @@
 """Tests for SwiGLU: every implementation, forward and backward, lands within README.md's bound.
 
 Run with `python test.py`. Without a GPU, torch runs on the CPU and Triton under its
-interpreter; the Triton kernels are also compiled for sm_90 and their PTX read.
+interpreter; the Triton and CuTe kernels are also compiled for sm_90(a) and their PTX read
+(launching a CuTe kernel needs the GPU: those tests skip and say so).
 """
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what cute.compile builds for
 
 import reference
 import torch_impl
@@ -39,24 +42,40 @@ except ImportError as error:  # the folder was copied on its own, without common
         f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
     ) from error
 
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
 # (1) Set-up and the bound model ----------------------------------------------------------------
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch", "triton"]
+IMPLS = ["torch", "triton", "cute"]
 FORMS = ["two tensors", "fused"]
 # (M, N): no rows, 1, primes, 2**k +- 1 and the tile's edges (TILE_ELEMS = 4096).
 SHAPES = [(0, 5), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097), (3, 2048)]
 U32 = unit_roundoff(torch.float32)
 TINY32 = torch.finfo(torch.float32).tiny
-# exp's own relative error at its (rounded) argument: ex2.approx.f32 for Triton (2 ulp, 5u by
-# common/README.md); torch's sigmoid calls an accurate exp (CUDA's expf: 2 ulp, also 5u; the
-# CPU's Sleef exp: 1 ulp).
-EXP_ERROR = {"torch": 5 * U32, "triton": APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]}
+# exp's own relative error at its (rounded) argument: ex2.approx.f32 for Triton and CuTe (2 ulp,
+# 5u by common/README.md); torch's sigmoid calls an accurate exp (CUDA's expf: 2 ulp, also 5u;
+# the CPU's Sleef exp: 1 ulp).
+EX2 = APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
+EXP_ERROR = {"torch": 5 * U32, "triton": EX2, "cute": EX2}
 
 
 def module(name):
-    return {"reference": reference, "torch": torch_impl, "triton": triton_impl}[name]
+    if name == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    modules = {"reference": reference, "torch": torch_impl, "triton": triton_impl}
+    return cute_impl if name == "cute" else modules[name]
+
+
+def implementation(name):
+    """The implementation's module, for tests that launch it."""
+    if name == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return module(name)
 
 
 def sigmoid_bound(impl, g):
@@ -120,20 +139,22 @@ def operands(form, m, n, dtype):
 
 def check_forward(impl, g, u, y=None):
     """Run impl's forward into y (fresh if None) and hold it to the bound; returns y."""
+    fns = implementation(impl)
     y = torch_impl.fresh_output(g, u) if y is None else y
     exact = reference.swiglu_forward(g.cpu(), None if u is None else u.cpu())
-    assert module(impl).swiglu_forward(g, u, y) is y
+    assert fns.swiglu_forward(g, u, y) is y
     gate, up = reference.halves(g) if u is None else (g, u)
     assert_within_bound(y, exact, forward_bound(impl, gate, up, exact), f"{impl} y")
     return y
 
 
 def check_backward(impl, g, u, dy, dg=None, du=None):
+    fns = implementation(impl)
     dg = torch.empty_like(g) if dg is None else dg
     du = None if u is None else torch.empty_like(u) if du is None else du
     exact_dg, exact_du = reference.swiglu_backward(g.cpu(), None if u is None else u.cpu(),
                                                    dy.cpu())  # fmt: skip
-    got = module(impl).swiglu_backward(g, u, dy, dg, du)
+    got = fns.swiglu_backward(g, u, dy, dg, du)
     assert got[0] is dg and got[1] is du
     gate, up = reference.halves(g) if u is None else (g, u)
     d_gate, d_up = reference.halves(dg) if u is None else (dg, du)
@@ -233,7 +254,7 @@ def test_outputs_inside_guard(impl, form, dtype, n):
 def test_in_place(impl, form):
     """Two tensors: y may be u itself, dg may be g and du may be dy; fused: dgu may be gu
     itself. Every element is read before its own output element is written."""
-    fns, (m, n) = module(impl), (4, 3001)
+    fns, (m, n) = implementation(impl), (4, 3001)
     g, u = operands(form, m, n, torch.float32)
     dy = random_rows(m, n, torch.float32, 1.0)
     gate, up = reference.halves(g) if u is None else (g, u)
@@ -278,7 +299,7 @@ def test_special_values(impl, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_repeatability(impl, dtype):
     """Two runs give the same bits (elementwise: no order to vary)."""
-    fns = module(impl)
+    fns = implementation(impl)
     g, u, dy = (random_rows(67, 1003, dtype) for _ in range(3))
     ys = [fns.swiglu_forward(g, u, torch.empty_like(g)) for _ in range(2)]
     assert_same_bits(*ys)
@@ -399,7 +420,7 @@ def test_reference_backward_matches_autograd():
 def test_autograd_matches_reference_backward(impl, entry, form):
     """Every entry point gives the reference gradients within the backward bound; with the
     fused tensor, its gradient is cat(dg, du)."""
-    fns = module(impl)
+    fns = implementation(impl)
     call = {"SwiGLUFunction.apply": fns.SwiGLUFunction.apply, "swiglu": fns.swiglu,
             "SwiGLU": fns.SwiGLU()}[entry]  # fmt: skip
     g, u = operands(form, 3, 257, torch.float32)
@@ -436,7 +457,7 @@ def test_torch_compile_fullgraph(impl):
     without graph breaks, and computes what the eager model computes. On the CPU the
     aot_eager backend (no code generation) runs the kernels: the same bits."""
     torch.manual_seed(0)
-    model = MLP(module(impl).SwiGLU).to(DEVICE)
+    model = MLP(implementation(impl).SwiGLU).to(DEVICE)
     compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     x = torch.randn(5, 32, device=DEVICE)
     eager_out = model(x)
@@ -513,7 +534,124 @@ def test_triton_builds_for_sm90():
     assert child.returncode == 0, child.stderr[-3000:]
 
 
-# (4) CuTe: not written yet (README.md, "Not done") ---------------------------------------------
+# (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
+
+cute_installed = pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+PASS_OPERANDS = {"forward": (2, 1), "backward": (3, 2)}  # (inputs, outputs) of each pass
+
+
+@cute_installed
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vector", "any stride"])
+def test_cute_ptx(direction, dtype, vectorized):
+    """The CuTe kernels build for sm_90a. Vector build: each operand's TILE_VECTORS runs per
+    thread move as 128-bit accesses; any-stride build: one access per element, none of 128
+    bits. Both: per element one mul.f32 by -log2 e (in float32: the two argument roundings of
+    EXP_ARGUMENT_ROUNDINGS), one ex2.approx.ftz and one correctly rounded reciprocal (rcp.rn,
+    what 1 / x compiles to); no other flushing (a flushed product would break the bound) or
+    approximate instruction, no spills."""
+    inputs, outputs = PASS_OPERANDS[direction]
+    per_thread = cute_impl.TILE_VECTORS * cute_impl.VECTOR_BYTES // dtype.itemsize
+    ptx = cute_impl.ptx_of(direction, dtype, vectorized)
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    accesses = cute_impl.TILE_VECTORS if vectorized else per_thread
+    assert count(r"ld\.global") == inputs * accesses
+    assert count(r"st\.global") == outputs * accesses
+    assert count(r"ld\.global\.v4") == (inputs * accesses if vectorized else 0)
+    assert count(r"mul\.f32\s+%r\d+, %r\d+, 0fBFB8AA3B") == per_thread
+    assert count(r"ex2\.approx\.ftz\.f32") == per_thread == count(r"rcp\.rn\.f32")
+    assert count(r"ftz") == count(r"\.approx") == per_thread
+    assert count(r"\.local") == 0
+    assert cute_impl.EXP_ARGUMENT_ROUNDINGS == 2
+
+
+@cute_installed
+def test_cute_dispatch():
+    """The vector build takes rows of whole 16-byte runs on 16-byte boundaries: the fused
+    tensor's halves at a model's width, not an odd width (the up half starts mid-run) nor a
+    column step."""
+    gu = torch.empty(4, 2 * 4096, dtype=torch.bfloat16)
+    assert all(cute_impl.is_vector_friendly(half) for half in reference.halves(gu))
+    gu_odd = torch.empty(4, 2 * 4100, dtype=torch.bfloat16)  # the up half 8200 bytes in
+    assert not cute_impl.is_vector_friendly(reference.halves(gu_odd)[1])
+    assert not cute_impl.is_vector_friendly(torch.empty(4, 8, dtype=torch.bfloat16)[:, :7])
+    assert not cute_impl.is_vector_friendly(torch.empty(4, 16)[:, ::2])
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU, reason="CPU tensors: checked where no GPU is")
+def test_cute_refuses_cpu_tensors():
+    """Valid operands on the CPU: a clear error before any compilation or launch."""
+    g, u, y = (torch.randn(2, 8) for _ in range(3))
+    before = y.clone()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.swiglu_forward(g, u, y)
+    assert_same_bits(y, before)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.swiglu_backward(g, None, torch.randn(2, 4), torch.empty(2, 8))
+
+
+def cuda_labelled(t):
+    """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
+    CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
+    only the launch after the checks needs the GPU."""
+    import ctypes
+
+    import tvm_ffi
+
+    class Relabelled:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, *args, **kwargs):
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            header = get(capsule, b"dltensor")  # DLTensor: void *data, then the device type
+            ctypes.c_int32.from_address(header + ctypes.sizeof(ctypes.c_void_p)).value = 2
+            return capsule
+
+    return tvm_ffi.from_dlpack(Relabelled())
+
+
+def entry_operands(direction, vectorized, m=5, n=1024):
+    """float32 (m, n) operands, no two laid out alike: the fused tensor's halves, a row slice
+    and contiguous rows for the vector build; a column step, a transposed matrix and a row
+    slice at an odd offset for the any-stride build."""
+    if vectorized:
+        gate, up = reference.halves(torch.randn(m, 2 * n))
+        layouts = [gate, up, torch.randn(m, n + 16)[:, :n], torch.empty(m, n)]
+    else:
+        layouts = [torch.randn(m, 2 * n)[:, ::2], torch.randn(n, m).t(),
+                   torch.randn(m, n + 13)[:, 3 : 3 + n]]  # fmt: skip
+    inputs, outputs = PASS_OPERANDS[direction]
+    return [layouts[k % len(layouts)] for k in range(inputs + outputs)]
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU,
+                    reason="CPU only (the CuTe DSL installed): on a GPU the contract tests call "
+                    "these builds")  # fmt: skip
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("vectorized", [False, True], ids=["any stride", "vector"])
+def test_cute_entry_takes_each_operands_layout(direction, vectorized):
+    """TVM-FFI checks every operand before the launch; operands in unlike layouts pass those
+    checks and reach the launch, which fails here without a driver."""
+    kernel = cute_impl.compile_kernel(direction, torch.float32, vectorized)
+    operands = entry_operands(direction, vectorized)
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*(cuda_labelled(t) for t in operands))
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU, reason="CPU only (the CuTe DSL installed)")
+def test_cute_vector_entry_refuses_misaligned_rows():
+    """The negative control of the test above: the vector build's entry refuses rows that start
+    mid-run, the case is_vector_friendly sends to the any-stride build."""
+    kernel = cute_impl.compile_kernel("forward", torch.float32, True)
+    operands = [torch.randn(5, 1030)[:, 1:1025], torch.randn(5, 1024), torch.empty(5, 1024)]
+    assert not cute_impl.is_vector_friendly(operands[0])
+    with pytest.raises(ValueError, match="alignment"):
+        kernel(*(cuda_labelled(t) for t in operands))
+
 
 # (5) GPU only --------------------------------------------------------------------------------
 
@@ -547,7 +685,7 @@ def test_stand_ins_match_reference():
 @pytest.mark.parametrize("m, n", [(4096, 14336), (1, 262144), (65537, 64)], ids=str)
 def test_large_against_float64(impl, dtype, m, n):
     """Llama-sized rows, fused form: y, dg and du within the bound of the float64 stand-in."""
-    fns = module(impl)
+    fns = implementation(impl)
     gu, dy = random_rows(m, 2 * n, dtype), random_rows(m, n, dtype, 1.0)
     gate, up = reference.halves(gu)
     y = fns.swiglu_forward(gu, None, torch_impl.fresh_output(gu, None))
