@@ -9,9 +9,10 @@ undocumented order, so README.md bounds them by what holds for every order.
 The glue, written once here and reused by triton_impl.py and cute_impl.py:
   * `autograd_function(forward, backward)`: a torch.autograd.Function over a pair of plain
     functions with explicit outputs (the eager path);
-  * `custom_ops(name, forward, backward)`: the same pair registered as torch.library custom
-    ops with fake implementations and an autograd formula, so torch.compile(fullgraph=True)
-    traces a model that calls them; returns the differentiable `layernorm(x, w, b, eps)`;
+  * `custom_ops(name, forward, backward, eager)`: the same pair registered as torch.library
+    custom ops with fake implementations and an autograd formula, so
+    torch.compile(fullgraph=True) traces a model that calls them; returns the differentiable
+    `layernorm(x, w, b, eps)`, which takes the Function `eager` outside torch.compile;
   * `LayerNorm`: the drop-in for torch.nn.LayerNorm (same arguments, parameters and
     state_dict keys), calling its class's `function`.
 """
@@ -92,11 +93,12 @@ def autograd_function(forward, backward):
     return LayerNormFunction
 
 
-def custom_ops(name, forward, backward):
+def custom_ops(name, forward, backward, eager):
     """Register kernel_course::layernorm_<name>_forward and _backward and return the
     differentiable layernorm(x, weight, bias, eps) over them. torch.compile sees an opaque call
     with known outputs (the fakes) and a backward it can put in its graph. An absent weight's
-    or bias's gradient comes back as an empty tensor (custom ops return tensors only)."""
+    or bias's gradient comes back as an empty tensor (custom ops return tensors only). `eager`
+    is autograd_function's Function over the same pair, which eager calls take."""
 
     @torch.library.custom_op(f"kernel_course::layernorm_{name}_forward", mutates_args=())
     def forward_op(
@@ -135,8 +137,6 @@ def custom_ops(name, forward, backward):
                 dbias if bias is not None else None, None)  # fmt: skip
 
     forward_op.register_autograd(backward_formula, setup_context=setup_context)
-
-    eager = autograd_function(forward, backward)
 
     def layernorm(x, weight=None, bias=None, eps=1e-5):
         """layernorm over x's last dimension: differentiable, traceable by torch.compile.

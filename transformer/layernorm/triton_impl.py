@@ -437,7 +437,7 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
 
 # The model glue of torch_impl.py over the two functions above.
 LayerNormFunction = autograd_function(layernorm_forward, layernorm_backward)
-layernorm = custom_ops("triton", layernorm_forward, layernorm_backward)
+layernorm = custom_ops("triton", layernorm_forward, layernorm_backward, LayerNormFunction)
 
 
 class LayerNorm(TorchLayerNorm):

@@ -159,7 +159,7 @@ def softmax_backward(y, dy, dx):
 
 
 SoftmaxFunction = autograd_function(softmax_forward, softmax_backward)
-softmax = traceable_softmax("cute", softmax_forward, softmax_backward)
+softmax = traceable_softmax("cute", softmax_forward, softmax_backward, SoftmaxFunction)
 
 
 class Softmax(SoftmaxModule):

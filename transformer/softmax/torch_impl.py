@@ -52,11 +52,11 @@ def autograd_function(forward, backward):
     return SoftmaxFunction
 
 
-def traceable_softmax(name, forward, backward):
+def traceable_softmax(name, forward, backward, eager):
     """softmax(x) over a pair of plain functions registered as the custom ops
     kernel_course::softmax_<name>_{forward,backward}: torch.compile sees an opaque call with a
     known output (register_fake) instead of tracing into the launcher, and a backward it can put
-    in its graph."""
+    in its graph. `eager` is autograd_function's Function over the same pair."""
 
     @torch.library.custom_op(f"kernel_course::softmax_{name}_forward", mutates_args=())
     def forward_op(x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +82,6 @@ def traceable_softmax(name, forward, backward):
         return backward_op(y, dy)
 
     forward_op.register_autograd(backward_of_forward_op, setup_context=save_output)
-
-    eager = autograd_function(forward, backward)
 
     def softmax(x):
         """softmax over x's last dimension: differentiable, and traceable by torch.compile.

@@ -293,7 +293,7 @@ def softmax_backward(y, dy, dx):
 
 
 SoftmaxFunction = autograd_function(softmax_forward, softmax_backward)
-softmax = traceable_softmax("triton", softmax_forward, softmax_backward)
+softmax = traceable_softmax("triton", softmax_forward, softmax_backward, SoftmaxFunction)
 
 
 class Softmax(SoftmaxModule):
