@@ -1,11 +1,13 @@
 """Tests for RoPE: every implementation, forward and backward, lands within README.md's bound.
 
 Run with `python test.py`. Without a GPU, torch runs on the CPU and Triton under its
-interpreter; a child process compiles the Triton kernel for sm_90 and reads its PTX.
+interpreter; a child process compiles the Triton kernel for sm_90 and reads its PTX; the CuTe
+kernel is compiled for sm_90a, its PTX read and its entry's checks run (launching it needs a GPU).
 """
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,17 +20,23 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what cute.compile builds for
 
 import reference
 import torch_impl
 import triton_impl
 from common.tolerance import assert_within_bound, gamma, store_roundoff, underflow, unit_roundoff
 
+try:
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
 # (1) Set-up and the bound model ----------------------------------------------------------------
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = {"torch": torch_impl, "triton": triton_impl}
+IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
 # (B, S, H, Hk, D): one token, primes, heads not a power of two, D/2 odd and past a power of two.
 SHAPES = [(1, 1, 1, 1, 2), (2, 3, 4, 2, 8), (1, 7, 5, 1, 30), (2, 5, 3, 3, 128), (1, 3, 8, 2, 130)]
 U32 = unit_roundoff(torch.float32)
@@ -81,8 +89,17 @@ def rope_bounds(x, exact, angles, position_ids, interleaved, layout):
     return u_s * exact.abs() + (1 + u_s) * bound + underflow(x.dtype)
 
 
+def implementation(impl):
+    """The implementation's module, for tests that launch it."""
+    if impl == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
+    if impl == "cute" and not ON_GPU:
+        pytest.skip("launching a CuTe kernel needs a CUDA GPU; test_cute_ptx checks the build")
+    return IMPLS[impl]
+
+
 def run(impl, direction, q, k, outputs=None, **options):
-    fn = getattr(IMPLS[impl], f"rope_{direction}")
+    fn = getattr(implementation(impl), f"rope_{direction}")
     q_out, k_out = outputs if outputs is not None else (torch.empty_like(q), torch.empty_like(k))
     return fn(q, k, q_out, k_out, **options)
 
@@ -234,6 +251,8 @@ def bad_inputs():
 @pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
 def test_bad_input_raises_before_launch(impl, case):
     q, k, outputs, options, error, fragment, _ = case
+    if impl == "cute" and cute_impl is None:
+        pytest.skip(CUTE_MISSING)
     before = [o.clone() for o in outputs]
     fn = reference.rope_forward if impl == "reference" else IMPLS[impl].rope_forward
     with pytest.raises(error, match=fragment):
@@ -291,7 +310,7 @@ def test_reference_backward_matches_autograd():
 def test_module_gradients(impl, compiled):
     """RotaryEmbedding's forward and its gradients (the custom op's under torch.compile,
     fullgraph) match the reference within the bound."""
-    module = IMPLS[impl].RotaryEmbedding(16, base=500000.0, device=DEVICE)
+    module = implementation(impl).RotaryEmbedding(16, base=500000.0, device=DEVICE)
     q, k = random_heads(2, 4, 4, 16, torch.float32), random_heads(2, 4, 2, 16, torch.float32)
     position_ids = torch.randint(0, 4096, (2, 4), device=DEVICE)
     call = torch.compile(module, fullgraph=True) if compiled else module
@@ -350,6 +369,133 @@ def test_triton_ptx_has_128_bit_loads():
     for line in child.stdout.split("\n")[:-1]:
         table, interleaved, loads, stores, approx = line.split()
         assert (int(loads), int(stores), approx) == (4, 4, "False"), line
+
+
+# (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
+
+cute_installed = pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+cpu_only_cute = pytest.mark.skipif(cute_impl is None or ON_GPU,
+                                   reason="CPU only (the CuTe DSL installed): on a GPU the "
+                                   "contract tests launch these builds")  # fmt: skip
+
+
+@cute_installed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("table_dtype", [torch.float32, None], ids=["table", "inv_freq"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_cute_ptx(dtype, table_dtype, interleaved):
+    """The kernel builds for sm_90a: per head branch (q, k) two 128-bit loads and two 128-bit
+    stores (the thread's two runs) and no other store; the angles in registers (no bar.sync,
+    no shared memory); libdevice's cosf/sinf, no approximate instruction; `.local` only in the
+    computed angles' Payne-Hanek reduction (libdevice's, for |theta| > 105615)."""
+    ptx = cute_impl.ptx_of(dtype, table_dtype, torch.int64, interleaved)
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    assert count(r"ld\.global\.v4") == count(r"st\.global\.v4") == count(r"st\.global") == 4
+    assert count(r"bar\.sync") == count(r"\.shared") == count(r"\.approx") == 0
+    assert (count(r"\.local") == 0) == (table_dtype is not None)
+    assert len(ptx) < 100_000, "the PTX grew: registers replicated or the loops unrolled twice"
+
+
+@cute_installed
+def test_cute_dispatch():
+    """The vector build takes heads of whole 16-byte runs on 16-byte boundaries: Llama's shape
+    in either layout and q, k sliced from a fused qkv projection; not a column step in D, a
+    half of odd length in bf16 (D = 130), nor a start mid-run."""
+    friendly = cute_impl.is_vector_friendly
+    qkv = torch.empty(2, 3, 32 + 2 * 8, 128, dtype=torch.bfloat16)
+    assert friendly(qkv[:, :, :32]) and friendly(qkv[:, :, 32:40])
+    assert friendly(torch.empty(2, 32, 3, 128).transpose(1, 2))
+    assert not friendly(torch.empty(2, 3, 4, 256, dtype=torch.bfloat16)[..., ::2])
+    assert not friendly(torch.empty(2, 3, 4, 130, dtype=torch.bfloat16))
+    assert not friendly(torch.empty(2, 3, 4, 136, dtype=torch.bfloat16)[..., 4:132])
+    assert not friendly(torch.empty(2, 3, 4, 129)[..., 1:])
+
+
+@cute_installed
+def test_cute_block_threads():
+    """A block's threads are a multiple of R, at most MAX_THREADS when R is smaller, and
+    share the heads out evenly: Llama's 40 heads in one pass in bf16 (R = 8), two in fp32."""
+    for heads, runs in ((40, 8), (40, 16), (1, 1), (3, 4), (200, 8), (7, 1024)):
+        threads = cute_impl.block_threads(heads, runs)
+        passes = -(-heads * runs // threads)
+        assert threads % runs == 0 and threads <= max(cute_impl.MAX_THREADS, runs)
+        assert (passes - 1) * threads < heads * runs <= passes * threads
+    assert cute_impl.block_threads(40, 8) == 320 and cute_impl.block_threads(40, 16) == 320
+
+
+@pytest.mark.skipif(cute_impl is None or ON_GPU, reason="CPU tensors: checked where no GPU is")
+def test_cute_refuses_cpu_tensors():
+    """Valid operands on the CPU: a clear error before any compilation or launch."""
+    q, k = random_heads(1, 3, 2, 8, torch.float32), random_heads(1, 3, 1, 8, torch.float32)
+    q_out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.rope_forward(q, k, q_out, torch.empty_like(k), **angle_sources(8, "inv_freq"))
+    assert not q_out.any()
+
+
+def cuda_labelled(t):
+    """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
+    CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
+    only the launch after the checks needs the GPU."""
+    import ctypes
+
+    import tvm_ffi
+
+    class Relabelled:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, *args, **kwargs):
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            header = get(capsule, b"dltensor")  # DLTensor: void *data, then the device type
+            ctypes.c_int32.from_address(header + ctypes.sizeof(ctypes.c_void_p)).value = 2
+            return capsule
+
+    return tvm_ffi.from_dlpack(Relabelled())
+
+
+@cpu_only_cute
+@pytest.mark.parametrize("source", ["table", "hf_table", "inv_freq"])
+@pytest.mark.parametrize("positions", ["none", "broadcast (S,)", "int32 (B, S)"])
+def test_cute_entry_takes_each_operands_layout(source, positions):
+    """TVM-FFI checks every operand before the launch; q from a fused qkv in (B, H, S, D),
+    outputs in either layout, a table as given (the HF one read through its first half) or
+    inv_freq, and positions absent, broadcast or int32 pass those checks and reach the
+    launch, which fails here without a driver."""
+    batch, seq, heads, heads_k, head_dim = 2, 5, 4, 2, 16
+    qkv = torch.randn(batch, heads + 2 * heads_k, seq, head_dim, dtype=torch.bfloat16)
+    q, k = qkv[:, :heads].transpose(1, 2), qkv[:, heads : heads + heads_k].transpose(1, 2)
+    k_out = torch.empty(batch, heads_k, seq, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+    angles = {n: t.to(torch.bfloat16) if source == "hf_table" else t
+              for n, t in angle_sources(head_dim, source).items()}  # fmt: skip
+    cos, sin = (reference.table_half(angles[n], 8, False) if n in angles else None
+                for n in ("cos", "sin"))  # fmt: skip
+    position_ids = {"none": None, "broadcast (S,)": torch.arange(seq).expand(batch, seq),
+                    "int32 (B, S)": torch.zeros(batch, seq, dtype=torch.int32)}  # fmt: skip
+    position_ids = position_ids[positions]
+    kernel = cute_impl.compile_kernel(torch.bfloat16, None if cos is None else cos.dtype,
+                                      None if position_ids is None else position_ids.dtype,
+                                      False, False)  # fmt: skip
+    operands = [q, k, torch.empty_like(q), k_out, cos, sin, angles.get("inv_freq"), position_ids]
+    labelled = [None if t is None else cuda_labelled(t) for t in operands]
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*labelled, 1, cute_impl.block_threads(heads + heads_k, 1))
+
+
+@cpu_only_cute
+def test_cute_entry_refuses_misaligned_heads():
+    """The negative control of the test above: the entry refuses q starting mid-run, the case
+    is_vector_friendly sends to torch's rotation."""
+    q = torch.randn(4 + 2 * 5 * 4 * 16, dtype=torch.bfloat16)[4:].view(2, 5, 4, 16)  # 8 bytes in
+    k = torch.randn(2, 5, 2, 16, dtype=torch.bfloat16)
+    assert not cute_impl.is_vector_friendly(q)
+    kernel = cute_impl.compile_kernel(torch.bfloat16, None, None, False, False)
+    operands = [q, k, torch.empty(q.shape, dtype=q.dtype), torch.empty_like(k)]
+    with pytest.raises(ValueError, match="Misaligned"):
+        kernel(*(cuda_labelled(t) for t in operands), None, None,
+               cuda_labelled(torch.ones(8)), None, 1, 8)  # fmt: skip
 
 
 # (5) GPU only --------------------------------------------------------------------------------
