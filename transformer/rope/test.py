@@ -203,7 +203,7 @@ def test_in_place_and_round_trip(impl, interleaved):
         assert_within_bound(x, e, rope_bounds(x0, e, angles, None, interleaved, "bshd"))
     run(impl, "backward", q, k, (q, k), **angles, interleaved=interleaved)
     for x, x0 in ((q, q0), (k, k0)):
-        bound = 2 * rope_bounds(x0, x0.double(), angles, None, interleaved, "bshd")
+        bound = 2 * rope_bounds(x0, x0.cpu().double(), angles, None, interleaved, "bshd")
         assert_within_bound(x, x0.double(), bound)
 
 
@@ -236,13 +236,13 @@ def bad_inputs():
     yield q, k, fresh(), {"inv_freq": freq["inv_freq"].double()}, TypeError, "inv_freq", "f64"
     yield q, k, fresh(), {**angle_sources(8, "table"), "position_ids": torch.zeros(3)}, \
         TypeError, "position_ids", "float positions"  # fmt: skip
-    yield q, k, fresh(), {**freq, "position_ids": torch.zeros(2, 3, dtype=torch.long)}, \
+    yield q, k, fresh(), {**freq, "position_ids": torch.zeros(2, 3, dtype=torch.long, device=DEVICE)}, \
         ValueError, "position_ids has shape", "positions shape"  # fmt: skip
     yield q, k, (k.clone(), k.clone()), freq, ValueError, "q_out has shape", "q_out shape"
     yield q, k, (q[:, :, :1].expand(1, 3, 2, 8), torch.zeros_like(k)), freq, ValueError, \
         "two elements one address", "q_out collides"  # fmt: skip
     yield q, k, (k.new_empty(0), k), freq, ValueError, "q_out has shape", "q_out empty"
-    qk = torch.zeros(1, 3, 3, 8)
+    qk = torch.zeros(1, 3, 3, 8, device=DEVICE)
     yield q, k, (qk[:, :, :2], qk[:, :, 1:2]), freq, ValueError, "overlaps", "q_out overlaps k_out"
     yield q, k, (k, torch.zeros_like(k)), freq, ValueError, "q_out has shape", "q_out is k"
 
