@@ -2,11 +2,14 @@
 README.md's bound.
 
 Run with `python test.py` (or from the top with pytest). Without a GPU, torch runs on the CPU and
-Triton under its interpreter. There is no CuTe implementation yet (README.md, "Not done").
+Triton under its interpreter; the CuTe kernels are compiled for sm_90a and their PTX read (launching
+them needs the GPU: those tests skip and say so).
 """
 
+import ctypes
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +21,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what cute.compile builds for
 
 import reference
 import torch_impl
@@ -39,12 +43,25 @@ except ImportError as error:  # the folder was copied on its own, without common
         f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
     ) from error
 
+try:
+    import cute_impl
+
+    CUTE_MISSING = None
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
+
 # (1) Set-up and the bound model ----------------------------------------------------------------
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch", "triton"]
-MODULES = {"torch": torch_impl, "triton": triton_impl}
+CUTE_CANNOT_LAUNCH = CUTE_MISSING or (
+    None if ON_GPU else "launching a CuTe kernel needs a CUDA GPU; section (4) checks the builds"
+)
+CUTE = pytest.param(
+    "cute", marks=pytest.mark.skipif(bool(CUTE_CANNOT_LAUNCH), reason=str(CUTE_CANNOT_LAUNCH))
+)
+IMPLS = ["torch", "triton", CUTE]
+MODULES = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
 # (M, V): no rows, 1, primes, 2**k +- 1, a chunk's edges (4096) and several chunks.
 SHAPES = [(0, 5), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 4095), (3, 4097), (2, 9001)]
 REFERENCE_MAX_ELEMS = 2**17  # past this, plain Python is slow: the float64 stand-in takes over
@@ -67,6 +84,8 @@ def forward_path(impl, n):
     rescaling online, so what holds for any order."""
     if impl == "torch":
         return n + 1, 2 * n, n
+    if impl == "cute":
+        return (*cute_impl.forward_path(n), cute_impl.smoothing_path(n))
     chunk = triton_impl.chunk_for(n)
     return (*triton_impl.forward_path(n), triton_impl.tree_additions(n, chunk))
 
@@ -307,7 +326,7 @@ def test_reductions(impl, reduction, dtype):
     exact, bound = exact_loss, rows
     if reduction != "none":
         exact = torch.tensor(math.fsum(exact_loss.tolist()), dtype=torch.float64)
-        k = m if impl == "torch" else triton_impl.reduction_path(m)
+        k = m if impl == "torch" else MODULES[impl].reduction_path(m)
         bound = rows.sum() + gamma(k, U32) * (exact_loss.abs().sum() + rows.sum())
         if reduction == "mean":
             count = int((target != -100).sum())
@@ -351,7 +370,8 @@ def bad_inputs():
     yield (x, t, -100, 0.0, shared, shared), ValueError, "loss overlaps lse"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# CuTe's checks run before anything needs the GPU, so they are tested without one too.
+@pytest.mark.parametrize("impl", ["torch", "triton", CUTE if CUTE_MISSING else "cute"])
 @pytest.mark.parametrize("case", list(bad_inputs()), ids=lambda case: case[-1])
 def test_bad_input_raises_before_launch(impl, case):
     operands, error, words = case
@@ -468,12 +488,13 @@ def test_in_place_backward_overwrites_logits(impl):
     assert_same_bits(logits.grad, leaf.grad)
 
 
-def test_torch_compile_fullgraph():
-    """torch.compile(fullgraph=True) traces a model that calls the Triton loss (the custom op),
-    forward and backward, without graph breaks, and computes what eager computes."""
+@pytest.mark.parametrize("impl", ["triton", CUTE])
+def test_torch_compile_fullgraph(impl):
+    """torch.compile(fullgraph=True) traces a model that calls the kernels' loss (the custom
+    op), forward and backward, without graph breaks, and computes what eager computes."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 33).to(DEVICE)
-    loss_fn = triton_impl.CrossEntropyLoss(label_smoothing=0.1)
+    loss_fn = MODULES[impl].CrossEntropyLoss(label_smoothing=0.1)
     x, target = torch.randn(8, 16, device=DEVICE), random_targets(8, 33)
 
     def step(inputs):
@@ -497,17 +518,187 @@ def test_chunk_and_paths():
     assert triton_impl.reduction_path(1024) == 10
 
 
+# (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
+
+cute_installed = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
+CPU_ONLY = "CPU only (the CuTe DSL installed): on a GPU the contract tests launch these builds"
+cute_on_cpu = pytest.mark.skipif(cute_impl is None or ON_GPU, reason=CPU_ONLY)
+
+
+def ptx_counts(ptx):
+    patterns = {
+        "loads": r"ld\.global", "vector loads": r"ld\.global\.v4", "stores": r"st\.global",
+        "vector stores": r"st\.global\.v4", "ex2": r"ex2\.approx\.ftz\.f32",
+        "approx": r"\.approx", "spills": r"\.local", "barriers": r"bar\.sync",
+        "shuffles": r"shfl\.sync\.bfly",
+    }  # fmt: skip
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in patterns.items()}
+
+
+@cute_installed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "any stride"])
+@pytest.mark.parametrize("smoothing", [False, True], ids=["eps=0", "eps>0"])
+def test_cute_forward_ptx(dtype, vector, smoothing):
+    """The forward builds for sm_90a: a full tile's ELEMS_PER_THREAD elements in 128-bit loads
+    (vector build) or one load each, the partial tile one load each, plus the target and its
+    logit; ELEMS_PER_THREAD ex2 per tile plus one rescale, and one more before block_sum (the
+    counts of forward_path); the log is libdevice's polynomial, no lg2.approx; block_max and
+    block_sum (and the smoothing's block_sum): 8 shuffle levels and one barrier each, plus the
+    barrier that lets shared memory be reused; no spills."""
+    elems = cute_impl.ELEMS_PER_THREAD
+    vector_elems = cute_impl.elements_per_access(dtype, vector)
+    counts = ptx_counts(cute_impl.ptx_of("forward", dtype, torch.int64, vector_elems, smoothing))
+    full_tile_loads = elems // vector_elems
+    reductions = 3 if smoothing else 2
+    assert counts["loads"] == full_tile_loads + elems + 2
+    assert counts["vector loads"] == (full_tile_loads if vector else 0)
+    assert counts["stores"] == 2 and counts["spills"] == 0
+    assert counts["ex2"] == counts["approx"] == elems + 2
+    assert counts["shuffles"] == 8 * reductions
+    assert counts["barriers"] <= reductions + 1
+
+
+@cute_installed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "any stride"])
+def test_cute_backward_ptx(dtype, vector):
+    """The backward: 128-bit loads and stores of a full tile (vector build), one ex2 per
+    element and no other approximate instruction, no block reduction, no spills."""
+    elems = cute_impl.ELEMS_PER_THREAD
+    vector_elems = cute_impl.elements_per_access(dtype, vector)
+    counts = ptx_counts(cute_impl.ptx_of("backward", dtype, torch.int64, vector_elems))
+    full_tile = elems // vector_elems
+    # the element path of the partial tile, and the row's target, lse and dloss
+    assert counts["loads"] == full_tile + elems + 3
+    assert counts["stores"] == full_tile + elems
+    assert counts["vector loads"] == counts["vector stores"] == (full_tile if vector else 0)
+    assert counts["ex2"] == counts["approx"] == elems
+    assert counts["barriers"] == counts["shuffles"] == counts["spills"] == 0
+
+
+@cute_installed
+def test_cute_paths_and_dispatch():
+    """The counts README.md's bound uses, and which rows take the vector build."""
+    assert cute_impl.TILE_ELEMS == 4096 and cute_impl.ELEMS_PER_THREAD == 16
+    assert cute_impl.forward_path(4096) == (2, 14)  # exp, rescale; 4 + 1 + 1 + 8 roundings
+    assert cute_impl.forward_path(4097) == (3, 16)
+    assert cute_impl.smoothing_path(8192) == 13 and cute_impl.reduction_path(257) == 9
+    rows = torch.empty(4, 1024, dtype=torch.bfloat16)
+    assert cute_impl.is_vector_friendly(rows) and cute_impl.is_vector_friendly(rows[:, 8:520])
+    assert not cute_impl.is_vector_friendly(rows[:, 1:513])  # starts mid-vector
+    assert not cute_impl.is_vector_friendly(rows[:, ::2])
+    assert not cute_impl.is_vector_friendly(torch.empty(4, 1001, dtype=torch.bfloat16))
+
+
+@cute_on_cpu
+def test_cute_refuses_cpu_tensors():
+    """Valid operands on the CPU: a clear error before any compilation or launch."""
+    x, target = torch.randn(3, 7), torch.tensor([0, 6, -100])
+    loss, lse = torch.full((3,), 5.0), torch.full((3,), 5.0)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.cross_entropy_forward(x, target, -100, 0.0, loss, lse)
+    assert (loss == 5).all() and (lse == 5).all()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.cross_entropy_backward(x, target, lse, loss, -100, 0.0, torch.empty(3, 7))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cute_impl.reduce_loss(loss, target, -100, "mean")
+
+
+def cuda_labelled(t):
+    """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
+    CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
+    only the launch after the checks needs the GPU."""
+    import tvm_ffi
+
+    class Relabelled:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, *args, **kwargs):
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            get = ctypes.pythonapi.PyCapsule_GetPointer
+            get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+            header = get(capsule, b"dltensor")  # DLTensor: void *data, then the device type
+            ctypes.c_int32.from_address(header + ctypes.sizeof(ctypes.c_void_p)).value = 2
+            return capsule
+
+    return tvm_ffi.from_dlpack(Relabelled())
+
+
+def entry_operands(direction, vector, m=5, n=1024):
+    """float32 operands of a pass as the launchers see them: rows that are a slice of wider
+    rows (vector build) or a transposed matrix (any stride); int32 targets; a strided loss, a
+    stride-0 dloss (the mean's broadcast gradient)."""
+    x = torch.randn(m, n + 16)[:, :n] if vector else torch.randn(n, m).t()
+    target, rows = torch.randint(0, n, (m,), dtype=torch.int32), torch.empty(m, 2)[:, 0]
+    if direction == "forward":
+        return (x, target, rows, torch.empty(m), -100, 0.1, 1 / n)
+    dloss, dx = torch.tensor([0.5]).expand(m), torch.empty(m, n) if vector else torch.empty_like(x)
+    return (x, target, torch.randn(m), dloss, dx, -100, 0.1, 0.9)
+
+
+@cute_on_cpu
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("vector", [False, True], ids=["any stride", "vector"])
+def test_cute_entry_takes_each_operands_layout(direction, vector):
+    """TVM-FFI checks every operand before the launch; these layouts pass those checks and
+    reach the launch, which fails here without a driver."""
+    vector_elems = cute_impl.elements_per_access(torch.float32, vector)
+    operands = entry_operands(direction, vector)
+    kernel = cute_impl.compile_kernel(direction, torch.float32, torch.int32, vector_elems)
+    labelled = [cuda_labelled(t) if isinstance(t, torch.Tensor) else t for t in operands]
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*labelled)
+
+
+@cute_on_cpu
+def test_cute_vector_entry_refuses_misaligned_rows():
+    """The negative control of the test above: the vector build's entry refuses rows that
+    start mid-vector, the case is_vector_friendly sends to the any-stride build."""
+    x = torch.randn(5, 1030)[:, 1:1025]
+    assert not cute_impl.is_vector_friendly(x)
+    kernel = cute_impl.compile_kernel("forward", torch.float32, torch.int32, 4, True)
+    operands = (x, *entry_operands("forward", True)[1:])
+    labelled = [cuda_labelled(t) if isinstance(t, torch.Tensor) else t for t in operands]
+    with pytest.raises(ValueError, match="alignment"):
+        kernel(*labelled)
+
+
 # (5) GPU-only sizes ----------------------------------------------------------------------------
+
+PAST_2_31 = (16400, 131072)  # M V > 2**31: row offsets need 64 bits
 
 
 @gpu_only
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("m, n", [(64, 262144), (33, 131071), (4, 2**31 // 65536 * 65536 // 4)])
+@pytest.mark.parametrize("m, n", [(64, 262144), (33, 131071), PAST_2_31])
 def test_large_vocabulary(impl, m, n):
-    """Vocabulary-sized rows (float64 stand-in) and an M V past 2**31 (64-bit offsets)."""
+    """Vocabulary-sized rows and an M V past 2**31 (64-bit offsets). The float64 stand-in sees
+    a few rows (the first two, one in the middle, the last two), so the check needs megabytes
+    where a float64 copy of the logits would need 16 GB: the suite runs beside others on one
+    GPU. torch skips the largest shape (its float32 temporaries need ~35 GB and test nothing
+    of ours)."""
+    if impl == "torch" and (m, n) == PAST_2_31:
+        pytest.skip("torch's temporaries at M V > 2**31 take ~35 GB; the kernels are the test")
+    fns, eps = MODULES[impl], 0.1
     x, target = random_logits(m, n, torch.bfloat16), random_targets(m, n)
-    loss, lse = check_forward(impl, x, target, 0.1)
-    check_backward(impl, x, target, lse, torch.randn(m, device=DEVICE), 0.1)
+    loss, lse = torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
+    fns.cross_entropy_forward(x, target, -100, eps, loss, lse)
+    dloss = torch.randn(m, device=DEVICE)
+    dx = fns.cross_entropy_backward(x, target, lse, dloss, -100, eps, torch.empty_like(x))
+    rows = torch.tensor(sorted({0, 1, m // 2, m - 2, m - 1}), device=DEVICE)
+    sample, sample_target = x[rows], target[rows]
+    exact_loss, exact_lse = float64_forward(sample, sample_target, -100, eps)
+    x64, t = sample.double().cpu(), sample_target.cpu()
+    assert_within_bound(lse[rows], exact_lse, lse_bound(impl, x64, exact_lse), f"{impl} lse")
+    bound = loss_bound(impl, x64, t, exact_lse, exact_loss, -100, eps)
+    assert_within_bound(loss[rows], exact_loss, bound, f"{impl} loss")
+    row_lse, row_dloss = lse[rows], dloss[rows]
+    exact = float64_backward(sample, sample_target, row_lse, row_dloss, -100, eps)
+    args = (x64, t, row_lse.double().cpu(), row_dloss.double().cpu(), exact)
+    bound = backward_bound(*args, -100, eps, torch.bfloat16)
+    assert_within_bound(dx[rows], exact, bound, f"{impl} dlogits")
 
 
 if __name__ == "__main__":
