@@ -236,7 +236,8 @@ def bad_inputs():
     yield q, k, fresh(), {"inv_freq": freq["inv_freq"].double()}, TypeError, "inv_freq", "f64"
     yield q, k, fresh(), {**angle_sources(8, "table"), "position_ids": torch.zeros(3)}, \
         TypeError, "position_ids", "float positions"  # fmt: skip
-    yield q, k, fresh(), {**freq, "position_ids": torch.zeros(2, 3, dtype=torch.long, device=DEVICE)}, \
+    wrong_positions = torch.zeros(2, 3, dtype=torch.long, device=DEVICE)
+    yield q, k, fresh(), {**freq, "position_ids": wrong_positions}, \
         ValueError, "position_ids has shape", "positions shape"  # fmt: skip
     yield q, k, (k.clone(), k.clone()), freq, ValueError, "q_out has shape", "q_out shape"
     yield q, k, (q[:, :, :1].expand(1, 3, 2, 8), torch.zeros_like(k)), freq, ValueError, \
