@@ -45,7 +45,7 @@ def liger_loss():
     from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
     def loss(logits, target):
-        out = LigerCrossEntropyFunction.apply(logits, target)
+        out = LigerCrossEntropyFunction.apply(logits, target, None)  # no class weights
         return out[0] if isinstance(out, tuple) else out  # newer versions add the z-loss
 
     return loss
