@@ -39,6 +39,13 @@ MODULES = {
                 "4MN + 8MN", "2MN + 3MN"),
     "layernorm": ("mean and variance norm, scaled and shifted",
                   "y = (x - mean x) w / sqrt(var x + eps) + b", "6MN + 10MN", "2MN + 3MN"),
+    "swiglu": ("gated linear unit of the Llama MLP", "y = silu(g) u = g u / (1 + exp(-g))",
+               "6MN + 12MN", "3MN + 5MN"),
+    "rope": ("rotary position embedding of q and k",
+             "(y_a, y_b) = (x_a cos - x_b sin, x_b cos + x_a sin)", "6T + 6T",
+             "2T + 2T (T = B S (H + Hk) D)"),
+    "cross_entropy": ("loss of each row's target class", "loss = logsumexp(x) - x[target]",
+                      "4MV + 5MV", "MV + 2MV"),
 }  # fmt: skip
 FILES = {"Python": "reference.py", "PyTorch": "torch_impl.py", "Triton": "triton_impl.py"}
 FILES["CuTe"] = "cute_impl.py"
