@@ -89,6 +89,12 @@ def timed_rows(results):
     return [row for row in results["rows"] if row.get("ms") is not None]
 
 
+def eager(row):
+    """The mark " (eager)" on a row timed call by call, not as a replayed CUDA graph: host time may
+    be in it (bench.py printed why it could not be captured)."""
+    return " (eager)" if row.get("timing", "graph").startswith("eager") else ""
+
+
 def largest_rows(results):
     largest = max(math.prod(row["shape"]) for row in timed_rows(results))
     rows = [row for row in timed_rows(results) if math.prod(row["shape"]) == largest]
@@ -121,7 +127,7 @@ def model_size_table(results):
         }
         size = size_of(shape) + (f", {layout}-major" if layout else "")
         cells = [
-            f"{of_case[i]['ms'] * 1e3:.1f} (x{of_case[i]['vs_library']:.2f})"
+            f"{of_case[i]['ms'] * 1e3:.1f} (x{of_case[i]['vs_library']:.2f}){eager(of_case[i])}"
             if i in of_case
             else ""
             for i in impls
@@ -228,7 +234,7 @@ def folder_table(results):
             + (f" {row['layout']}-major |" if layout else "")
             + (f" {row['pass']} |" if passes else "")
             + f" {row['ms'] * 1e3:.1f} | {row['GBps']:.0f} | "
-            f"{row['pct_of_ceiling']:.1f} | {vs_library} |"
+            f"{row['pct_of_ceiling']:.1f}{eager(row)} | {vs_library} |"
         )
     lines += model_size_table(results) + module_shape_table(results) + per_call_table(results)
     lines += ["", "![GB/s against n](perf.png)"]
@@ -252,12 +258,15 @@ def module_shape_table(results):
     for dtype, shape, pass_name in dict.fromkeys(
         (r["dtype"], tuple(r["shape"]), r["pass"]) for r in rows
     ):
-        pct = {
-            r["impl"]: r["pct_of_ceiling"]
+        of_case = {
+            r["impl"]: r
             for r in rows
             if (r["dtype"], tuple(r["shape"]), r["pass"]) == (dtype, shape, pass_name)
         }
-        cells = [f"{pct[i]:.0f}" if i in pct else "" for i in impls]
+        cells = [
+            f"{of_case[i]['pct_of_ceiling']:.0f}{eager(of_case[i])}" if i in of_case else ""
+            for i in impls
+        ]
         lines.append(f"| {dtype} | {size_of(shape)} | {pass_name} | " + " | ".join(cells) + " |")
     return lines
 

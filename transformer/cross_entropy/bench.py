@@ -5,14 +5,18 @@
 
 Minimal traffic: the forward reads the MV logits (the M targets, losses and lse are noise);
 fwd+bwd counts 3MV, the forward's read, the backward's read and its write of dx (DESIGN.md's
-count for the anchors). A kernel that writes dx inside the forward (Liger, QuACK: the loss is the
-graph's last op) moves 2MV and can show more than 100%. Times are medians of
-`triton.testing.do_bench` (L2 flushed before each call), implementations interleaved shape by
-shape. The ceiling is a 1 GiB device-to-device copy of the same run. The library op is
+count for the anchors). A kernel that writes dx inside the forward (Liger, QuACK: the loss is
+the graph's last op) moves 2MV and can show more than 100%. Times are medians of
+`triton.testing.do_bench` (L2 flushed before each call) of each pass captured in a CUDA graph
+and replayed: the kernels' time (timed call by call, fwd+bwd was host-bound wherever its GPU
+work was under ~0.5 ms; the per-call rows measure the host). A call that cannot be captured is
+timed eagerly, and its row's `timing` says why. Implementations are interleaved shape by shape.
+The ceiling is a 1 GiB device-to-device copy of the same run. The library op is
 `F.cross_entropy` (mean over rows; fwd+bwd: its autograd). Anchors, when importable:
 torch.compile of the library op (its result checked first), Liger's LigerCrossEntropyFunction,
 QuACK's cross_entropy; a missing one prints why. Every call of ours reads the targets once on
-the host side (reference.check_forward), which the per-call rows include.
+the host side (reference.check_forward), which the per-call rows include; a sync, it keeps their
+passes out of a graph (timed eagerly).
 """
 
 import json
@@ -84,6 +88,28 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def graph_ms(fn):
+    """(median ms, timing) of fn, replayed as one captured CUDA graph: the figure is the
+    kernels' time. Timed call by call, a pass whose host work (Python, the autograd engine)
+    outlasts its kernels would time the host, which the per-call rows measure on their own. A
+    call that waits on the host (it reads a value) cannot be captured: timed eagerly, it says why.
+    """
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up (compiles, autotunes, allocates) and capture on one side stream: autograd runs a
+    # backward op on its forward's stream, and leaving the block restores the caller's stream
+    # even when a failed capture skips torch.cuda.graph's own restore.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:  # fn ran eagerly just above: this is the capture's refusal
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
@@ -91,21 +117,22 @@ def copy_ceiling_gbps():
 
 
 def timed_passes(loss, logits, target):
-    """(fwd ms, fwd+bwd ms) of a differentiable loss; each must agree with the library's. The
-    forward runs on logits that need no gradient (Liger writes dx over them when they do); the
-    fwd+bwd on a copy that does."""
+    """((fwd ms, fwd+bwd ms), their timings) of a differentiable loss; each must agree with
+    the library's. The forward runs on logits that need no gradient (Liger writes dx over them
+    when they do); the fwd+bwd on a copy that does."""
     expected = F.cross_entropy(logits.float(), target)
     got = loss(logits.clone(), target).float()
     if not torch.allclose(got, expected, atol=1e-2, rtol=1e-2):  # a sanity check, not the bound
         raise RuntimeError(f"wrong loss {got.item():.6g}, expected {expected.item():.6g}")
-    fwd = median_ms(lambda: loss(logits, target))
+    fwd = graph_ms(lambda: loss(logits, target))
     leaf = logits.clone().requires_grad_()
 
     def forward_backward():
         leaf.grad = None
         loss(leaf, target).backward()
 
-    return fwd, median_ms(forward_backward)
+    both = graph_ms(forward_backward)
+    return (fwd[0], both[0]), (fwd[1], both[1])
 
 
 def per_call_rows(impls, dtype):
@@ -136,10 +163,10 @@ def shape_rows(impls, dtype, shape, ceiling):
     m, n = shape
     logits = torch.randn(m, n, device="cuda", dtype=dtype)
     target = torch.randint(0, n, (m,), device="cuda")
-    times = {}
+    times, timings = {}, {}
     for name, loss in impls.items():
         try:
-            times[name] = timed_passes(loss, logits, target)
+            times[name], timings[name] = timed_passes(loss, logits, target)
         except Exception as error:  # an anchor that refuses a shape or a dtype
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
                   f"{str(error)[:80]})")  # fmt: skip
@@ -149,13 +176,15 @@ def shape_rows(impls, dtype, shape, ceiling):
         for pass_name, ms, elements in (("fwd", fwd_ms, m * n), ("fwd+bwd", both_ms, 3 * m * n)):
             gbps = elements * logits.element_size() / ms / 1e6
             library_ms = times.get("library", (None, None))[pass_name == "fwd+bwd"]
+            timing = timings[name][pass_name == "fwd+bwd"]
             rows.append(
                 {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:], "shape": [m, n],
                  "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
-                 "vs_library": library_ms / ms if library_ms else None}
+                 "vs_library": library_ms / ms if library_ms else None,
+                 "timing": timing}
             )  # fmt: skip
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
-                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
 

@@ -7,11 +7,13 @@ q and k are (B, H, S, D) and (B, Hk, S, D) (layout "bhsd", what every anchor tak
 Hugging Face (S, D) cos/sin table in q's dtype. Minimal traffic per pass: read and write q and
 k, 2 (H + Hk) D B S elements, plus the table read once. The backward is timed alone
 (`torch.autograd.grad` of a kept forward graph). Times are medians of `triton.testing.do_bench`
-(the L2 cache flushed before each call), implementations interleaved shape by shape. The
-ceiling is a 1 GiB device-to-device copy of the same run. The library op is Hugging Face's
-`q * cos + rotate_half(q) * sin` (its autograd for the backward). Anchors, when importable:
-torch.compile of it (its result checked first) and Liger's liger_rotary_pos_emb; a missing one
-prints why.
+(the L2 cache flushed before each call) of each pass captured in a CUDA graph and replayed: the
+kernels' time (timed call by call, the backward was host-bound wherever its GPU work was under
+~0.5 ms; the per-call rows measure the host). A call that cannot be captured is timed eagerly,
+and its row's `timing` says why. Implementations are interleaved shape by shape. The ceiling is
+a 1 GiB device-to-device copy of the same run. The library op is Hugging Face's `q * cos +
+rotate_half(q) * sin` (its autograd for the backward). Anchors, when importable: torch.compile
+of it (its result checked first) and Liger's liger_rotary_pos_emb; a missing one prints why.
 """
 
 import json
@@ -73,6 +75,28 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def graph_ms(fn):
+    """(median ms, timing) of fn, replayed as one captured CUDA graph: the figure is the
+    kernels' time. Timed call by call, a pass whose host work (Python, the autograd engine)
+    outlasts its kernels would time the host, which the per-call rows measure on their own. A
+    call that waits on the host (it reads a value) cannot be captured: timed eagerly, it says why.
+    """
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up (compiles, autotunes, allocates) and capture on one side stream: autograd runs a
+    # backward op on its forward's stream, and leaving the block restores the caller's stream
+    # even when a failed capture skips torch.cuda.graph's own restore.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:  # fn ran eagerly just above: this is the capture's refusal
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
@@ -90,16 +114,24 @@ def operands(batch, seq, heads, heads_k, head_dim, dtype):
 
 
 def timed_passes(rope, q, k, dq, dk, cos, sin):
-    """(fwd ms, bwd ms); the anchor must agree with the library in float32 first."""
+    """((fwd ms, bwd ms), their timings); the anchor must agree with the library in float32
+    first. The backward's forward is made at graph_ms's first call, on the stream it captures
+    on: autograd runs each backward op on the stream of its forward."""
     expected = library(q.float(), k.float(), cos.float(), sin.float())
     for got, want in zip(rope(q, k, cos, sin), expected, strict=True):
         if not torch.allclose(got.float(), want, atol=5e-2, rtol=2e-2):  # a sanity check
             raise RuntimeError(f"wrong result (largest error {(got - want).abs().max():.3g})")
-    fwd = median_ms(lambda: rope(q, k, cos, sin))
+    fwd = graph_ms(lambda: rope(q, k, cos, sin))
     q_leaf, k_leaf = (t.detach().clone().requires_grad_() for t in (q, k))
-    outputs = rope(q_leaf, k_leaf, cos, sin)
-    grad = lambda: torch.autograd.grad(outputs, (q_leaf, k_leaf), (dq, dk), retain_graph=True)  # noqa: E731
-    return fwd, median_ms(grad)
+    kept = []
+
+    def backward():
+        if not kept:
+            kept.append(rope(q_leaf, k_leaf, cos, sin))
+        return torch.autograd.grad(kept[0], (q_leaf, k_leaf), (dq, dk), retain_graph=True)
+
+    bwd = graph_ms(backward)
+    return (fwd[0], bwd[0]), (fwd[1], bwd[1])
 
 
 def row(impl, pass_name, dtype, shape, ms=None, gbps=None, ceiling=None, vs=None, host=None):
@@ -131,10 +163,10 @@ def per_call_rows(impls, dtype):
 def shape_rows(impls, dtype, seq, ceiling):
     shape = (BATCH, seq, HEADS, HEADS_K, HEAD_DIM)
     tensors = operands(*shape, dtype)
-    times = {}
+    times, timings = {}, {}
     for name, rope in impls.items():
         try:
-            times[name] = timed_passes(rope, *tensors)
+            times[name], timings[name] = timed_passes(rope, *tensors)
         except Exception as error:  # an anchor that refuses a shape or a dtype
             print(f"{name:8s} {str(dtype)[6:]:9s} S={seq}: skipped ({type(error).__name__}: "
                   f"{str(error)[:80]})")  # fmt: skip
@@ -147,9 +179,11 @@ def shape_rows(impls, dtype, seq, ceiling):
             ms, gbps = pair[index], minimal_bytes / pair[index] / 1e6
             library_ms = times["library"][index] if "library" in times else None
             vs = library_ms / ms if library_ms else None
+            timing = timings[name][index]
             rows.append(row(name, pass_name, dtype, shape, ms, gbps, ceiling, vs))
+            rows[-1]["timing"] = timing
             print(f"{name:8s} {str(dtype)[6:]:9s} S={seq:<5d} {pass_name} {ms * 1e3:9.1f} us "
-                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
 

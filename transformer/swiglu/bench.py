@@ -3,14 +3,16 @@
     python bench.py            writes results.json and perf.png beside this file
     python bench.py --quick    bf16 at the two Llama 8B shapes only, no files
 
-Minimal traffic: the forward reads g and u and writes y (3MN elements); the backward reads g,
-u and dy and writes dg and du (5MN), so fwd+bwd counts 8MN. g and u are two (M, N) tensors,
-the form every anchor takes. Times are medians of `triton.testing.do_bench` (the L2 cache
-flushed before each call), implementations interleaved shape by shape. The ceiling is a 1 GiB
-device-to-device copy of the same run. The library op is `F.silu(g) * u` (fwd+bwd: its
-autograd). Anchors, when importable: torch.compile of the library expression (inductor's
-fused kernel; its result checked first) and Liger's LigerSiLUMulFunction; a missing one prints
-why.
+Minimal traffic: the forward reads g and u and writes y (3MN elements); the backward reads g, u
+and dy and writes dg and du (5MN), so fwd+bwd counts 8MN. g and u are two (M, N) tensors, the
+form every anchor takes. Times are medians of `triton.testing.do_bench` (the L2 cache flushed
+before each call) of each pass captured in a CUDA graph and replayed: the kernels' time (timed
+call by call, fwd+bwd was host-bound wherever its GPU work was under ~0.5 ms; the per-call rows
+measure the host). A call that cannot be captured is timed eagerly, and its row's `timing` says
+why. Implementations are interleaved shape by shape. The ceiling is a 1 GiB device-to-device
+copy of the same run. The library op is `F.silu(g) * u` (fwd+bwd: its autograd). Anchors, when
+importable: torch.compile of the library expression (inductor's fused kernel; its result checked
+first) and Liger's LigerSiLUMulFunction; a missing one prints why.
 """
 
 import json
@@ -68,6 +70,28 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def graph_ms(fn):
+    """(median ms, timing) of fn, replayed as one captured CUDA graph: the figure is the
+    kernels' time. Timed call by call, a pass whose host work (Python, the autograd engine)
+    outlasts its kernels would time the host, which the per-call rows measure on their own. A
+    call that waits on the host (it reads a value) cannot be captured: timed eagerly, it says why.
+    """
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up (compiles, autotunes, allocates) and capture on one side stream: autograd runs a
+    # backward op on its forward's stream, and leaving the block restores the caller's stream
+    # even when a failed capture skips torch.cuda.graph's own restore.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:  # fn ran eagerly just above: this is the capture's refusal
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
@@ -75,20 +99,22 @@ def copy_ceiling_gbps():
 
 
 def timed_passes(forward, g, u, dy):
-    """(fwd ms, fwd+bwd ms) of a differentiable forward; the anchor must agree with torch. The
-    backward gets copies of g and u: Liger's writes its gradients over the saved inputs."""
+    """((fwd ms, fwd+bwd ms), their timings) of a differentiable forward; the anchor must
+    agree with torch. The backward gets copies of g and u: Liger's writes its gradients over
+    the saved inputs."""
     g_grad, u_grad = (t.detach().clone().requires_grad_() for t in (g, u))
     expected = library(g.float(), u.float())
     got = forward(g, u).float()
     if not torch.allclose(got, expected, atol=5e-2, rtol=2e-2):  # a sanity check, not the bound
         raise RuntimeError(f"wrong result (largest error {(got - expected).abs().max():.3g})")
-    fwd = median_ms(lambda: forward(g, u))
+    fwd = graph_ms(lambda: forward(g, u))
 
     def forward_backward():
         g_grad.grad = u_grad.grad = None
         forward(g_grad, u_grad).backward(dy)
 
-    return fwd, median_ms(forward_backward)
+    both = graph_ms(forward_backward)
+    return (fwd[0], both[0]), (fwd[1], both[1])
 
 
 def per_call_rows(impls, dtype):
@@ -117,10 +143,10 @@ def per_call_rows(impls, dtype):
 def shape_rows(impls, dtype, shape, ceiling):
     m, n = shape
     g, u, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(3))
-    times = {}
+    times, timings = {}, {}
     for name, forward in impls.items():
         try:
-            times[name] = timed_passes(forward, g, u, dy)
+            times[name], timings[name] = timed_passes(forward, g, u, dy)
         except Exception as error:  # an anchor that refuses a shape or a dtype
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
                   f"{str(error)[:80]})")  # fmt: skip
@@ -131,13 +157,15 @@ def shape_rows(impls, dtype, shape, ceiling):
                                         ("fwd+bwd", both_ms, 8 * m * n)):  # fmt: skip
             gbps = elements * g.element_size() / ms / 1e6
             library_ms = times.get("library", (None, None))[pass_name == "fwd+bwd"]
+            timing = timings[name][pass_name == "fwd+bwd"]
             rows.append(
                 {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:], "shape": [m, n],
                  "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
-                 "vs_library": library_ms / ms if library_ms else None}
+                 "vs_library": library_ms / ms if library_ms else None,
+                 "timing": timing}
             )  # fmt: skip
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
-                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
 
