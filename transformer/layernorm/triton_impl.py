@@ -34,8 +34,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
-from reference import as_rows, as_vector, check_backward, check_forward, to_float32
+from reference import as_rows, as_vector, check_backward, check_forward
 from torch_impl import LayerNorm as TorchLayerNorm
 from torch_impl import autograd_function, custom_ops
 
@@ -306,6 +310,73 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
 def rows_launch(m, n, block_max):
     """(rows per program or step, BLOCK_N, num_warps) of a rows kernel, None past block_max:
     BLOCK_N is n's next power of two, ROWS packs short rows (never more than m needs) so a
@@ -322,8 +393,8 @@ def row_groups(m, n):
     """(groups, rows per group) of the backward: m rows cut into at most PARTIALS_MAX runs of
     equal length (the last may be shorter), one program and one partial row each; a run is a
     whole number of the rows kernel's ROWS-row steps (one row a step on the looped path)."""
-    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
-    rows = launch[0] if launch else 1
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    rows = tile[0] if tile else 1
     blocks = -(-m // rows)
     rows_per_group = -(-blocks // PARTIALS_MAX) * rows
     return -(-m // rows_per_group), rows_per_group
@@ -343,9 +414,9 @@ def backward_path(m, n, dtype):
     """(row additions into a and b, column additions into dweight and dbias): the row's tree
     as in the forward; a step's ROWS rows by tl.sum (any order: ROWS - 1), one add a step into
     the group's sums, then the groups in order."""
-    launch = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
-    if launch is not None:
-        rows, block_n, _ = launch
+    tile = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
+    if tile is not None:
+        rows, block_n, _ = tile
         row = block_n.bit_length() - 1
     else:
         rows, row = 1, -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
@@ -369,22 +440,23 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
     (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
     (m, n), w, b = x_rows.shape, parameter_vector(weight, x), parameter_vector(bias, x)
-    layout = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
-    operands = (x_rows, w, b, y_rows, mean_v, rstd_v)
-    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None}
-    launch = rows_launch(m, n, ROW_BLOCK_MAX)
+    strides = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
+    tensors = (x_rows, w, b, y_rows, mean_v, rstd_v)
+    tile = rows_launch(m, n, ROW_BLOCK_MAX)
+    if tile is not None:
+        rows, block_n, num_warps = tile
+        kernel, grid, sizes = layernorm_forward_rows_kernel, (-(-m // rows),), (m, n)
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+    else:
+        kernel, grid, sizes, num_warps = layernorm_forward_looped_kernel, (m,), (n,), CHUNK_WARPS
+        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
+    constants.update(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=num_warps)
+    ints = (*sizes, *strides)
+    # float(eps): Triton would compile an int eps in as an integer (1 as a constant), which
+    # specialisation() does not cover; a float is always passed as float32.
     with device:
-        if launch is not None:
-            rows, block_n, num_warps = launch
-            layernorm_forward_rows_kernel[(-(-m // rows),)](
-                *operands, m, n, *layout, 1.0 / n, to_float32(eps), ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, num_warps=num_warps, **flags,
-            )  # fmt: skip
-        else:
-            layernorm_forward_looped_kernel[(m,)](
-                *operands, n, *layout, 1.0 / n, to_float32(eps), CHUNK=CHUNK,
-                LOG2_CHUNK=CHUNK.bit_length() - 1, num_warps=CHUNK_WARPS, **flags,
-            )  # fmt: skip
+        launch(kernel, grid, (*tensors, *ints, 1.0 / n, float(eps)), constants,
+               specialisation(ints, tensors))  # fmt: skip
     for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),
                                    (rstd_copied, rstd_v, rstd)):  # fmt: skip
         if copied:
@@ -404,32 +476,29 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
     (m, n), w = x_rows.shape, parameter_vector(weight, x)
     groups, rows_per_group = row_groups(m, n)
-    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
-    looped = launch is None
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    looped = tile is None
     partials = (torch.zeros if looped else torch.empty)(
         2, groups, n, dtype=torch.float32, device=x.device
     )
-    layout = (*x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(), mean_v.stride(0),
-              rstd_v.stride(0))  # fmt: skip
-    operands = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
+    tensors = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
+    ints = (m, n, rows_per_group, *x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(),
+            mean_v.stride(0), rstd_v.stride(0))  # fmt: skip
+    if not looped:
+        rows, block_n, num_warps = tile
+        kernel = layernorm_backward_rows_kernel
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+    else:
+        kernel, num_warps = layernorm_backward_looped_kernel, CHUNK_WARPS
+        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
+    constants.update(HAS_WEIGHT=weight is not None, num_warps=num_warps)
     with device:
-        if not looped:
-            rows, block_n, num_warps = launch
-            layernorm_backward_rows_kernel[(groups,)](
-                *operands, m, n, rows_per_group, *layout, 1.0 / n, ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, HAS_WEIGHT=weight is not None,
-                num_warps=num_warps,
-            )  # fmt: skip
-        else:
-            layernorm_backward_looped_kernel[(groups,)](
-                *operands, m, n, rows_per_group, *layout, 1.0 / n, CHUNK=CHUNK,
-                LOG2_CHUNK=CHUNK.bit_length() - 1, HAS_WEIGHT=weight is not None,
-                num_warps=CHUNK_WARPS,
-            )  # fmt: skip
+        launch(kernel, (groups,), (*tensors, *ints, 1.0 / n), constants,
+               specialisation(ints, tensors))  # fmt: skip
         for out, k in sums:
-            sum_partials_kernel[(triton.cdiv(n, PARTIAL_COLUMNS),)](
-                partials[k], out, groups, n, out.stride(0), BLOCK=PARTIAL_COLUMNS
-            )
+            sum_tensors, sum_ints = (partials[k], out), (groups, n, out.stride(0))
+            launch(sum_partials_kernel, (-(-n // PARTIAL_COLUMNS),), (*sum_tensors, *sum_ints),
+                   {"BLOCK": PARTIAL_COLUMNS}, specialisation(sum_ints, sum_tensors))  # fmt: skip
     if dx_copied:
         dx.copy_(dx_rows.view(dx.shape))
     return dx, dweight, dbias

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,10 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what cute.compile builds for
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import reference
 import torch_impl
@@ -487,6 +492,110 @@ def test_triton_tiles():
     assert triton_impl.tile_of(3, 100) == (4, 128, 1)
     assert triton_impl.tile_of(16384, 14336) == (1, 4096, 4)
     assert triton_impl.launch_grid(16384, 14336)[0] == (65536,)
+
+
+def launch_cases():
+    """Forward and backward calls that change what Triton compiles for, one thing at a time:
+    the dtype, n (BLOCK_N), m = 1, a row stride off a multiple of 16, an address off 16 bytes,
+    the fused gate-up tensor (u's address is g's plus n elements), rows longer than a tile.
+    The stand-ins compute nothing."""
+
+    def both(g, u=None):
+        y = torch_impl.fresh_output(g, u)
+        dy = torch.randn_like(y)
+        dg, du = torch.empty_like(g), None if u is None else torch.empty_like(u)
+        return lambda: (
+            triton_impl.swiglu_forward(g, u, y),
+            triton_impl.swiglu_backward(g, u, dy, dg, du),
+        )
+
+    for dtype in DTYPES:
+        yield both(*operands("separate", 4, 96, dtype))
+    yield both(*operands("separate", 4, 1000, torch.float32))
+    yield both(*operands("separate", 1, 96, torch.float32))
+    yield both(random_rows(4, 97, torch.float32)[:, :96], random_rows(4, 96, torch.float32))
+    yield both(
+        torch.randn(4 * 96 + 1, device=DEVICE)[1:].view(4, 96), random_rows(4, 96, torch.float32)
+    )
+    yield both(*operands("fused", 4, 100, torch.bfloat16))
+    yield both(*operands("separate", 2, 10000, torch.bfloat16))
+
+
+# 9 cases of two launches, each a key of its own (g, strided or misaligned, is the backward's
+# input too).
+MIN_SPECIALISATIONS = 18
+
+# --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
+
+
+class CompiledStandIn:
+    """Stands in for the CompiledKernel Triton returns for one specialisation: run() records the
+    arguments a cached launch hands the GPU."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, kernel, specialised, launches):
+        self.kernel, self.specialised, self.launches = kernel, specialised, launches
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args):
+        self.launches.append((self, hooks_and_args[3:]))
+
+
+class KernelStandIn(JITFunction):
+    """A JITFunction whose kernel[grid](...) binds the arguments as Triton's sm_90 binder does
+    and records them instead of compiling; it returns a CompiledStandIn."""
+
+    def __init__(self, fn, launches):
+        super().__init__(fn)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(self.signature, self.params, backend)
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            bound, specialised, options = self.binder(*args, **constants)
+            self.launches.append((self, tuple(bound.values()), str(specialised) + str(options)))
+            return CompiledStandIn(self, str(specialised), self.launches)
+
+        return run
+
+
+def as_launched(values):
+    """Launch arguments as comparable values: a tensor by its dtype, layout and address modulo
+    16 (not the address: a scratch buffer is a fresh allocation at each call)."""
+    return [
+        (v.dtype, v.shape, v.stride(), v.data_ptr() % 16) if torch.is_tensor(v) else v
+        for v in values
+    ]
+
+
+def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
+    """Every kernel a stand-in, each case called twice: the second call takes the cached path
+    (no kernel[grid]) and hands the launcher exactly the arguments Triton bound in the first;
+    no specialisation goes through Triton twice, and every cached launch goes to a kernel
+    compiled for the specialisation of its own arguments: a new dtype, alignment, stride class,
+    size of 1 or constexpr is never served a stale kernel."""
+    launches = []
+    for name in dir(triton_impl):
+        if name.endswith("_kernel"):
+            kernel = getattr(triton_impl, name)
+            monkeypatch.setattr(triton_impl, name, KernelStandIn(kernel.fn, launches))
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda _: 7)
+    monkeypatch.setattr(triton_impl, "driver", SimpleNamespace(active=active))
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    for call in launch_cases():
+        start = len(launches)
+        call()
+        middle = len(launches)
+        call()
+        first, second = launches[start:middle], launches[middle:]
+        assert all(isinstance(launch[0], CompiledStandIn) for launch in second), "went to Triton"
+        assert [as_launched(f[1]) for f in first] == [as_launched(s[1]) for s in second]
+    through_triton = [(id(launch[0]), launch[2]) for launch in launches if len(launch) == 3]
+    assert len(set(through_triton)) == len(through_triton), "Triton compiled a key twice"
+    assert len(through_triton) >= MIN_SPECIALISATIONS
+    for compiled, args in (launch for launch in launches if len(launch) == 2):
+        assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
 
 
 # Builds both kernels for sm_90 in a child process (under TRITON_INTERPRET=1 they cannot be

@@ -20,6 +20,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from reference import as_rows, check_backward, check_forward, halves
 from torch_impl import model_plumbing
@@ -136,6 +140,73 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
 @functools.cache
 def tile_of(m, n):
     """(ROWS, BLOCK_N, tiles along N): BLOCK_N covers n up to TILE_ELEMS, short rows are
@@ -145,9 +216,13 @@ def tile_of(m, n):
     return rows, block_n, -(-n // block_n)
 
 
+@functools.cache
 def launch_grid(m, n):
+    """(grid, tiles along N, constants) of either kernel. Cached: a model calls a few shapes
+    over and over, and the constants are a dict `launch` only reads."""
     rows, block_n, tiles_n = tile_of(m, n)
-    return (-(-m // rows) * tiles_n,), dict(ROWS=rows, BLOCK_N=block_n, num_warps=NUM_WARPS)
+    constants = {"ROWS": rows, "BLOCK_N": block_n, "num_warps": NUM_WARPS}
+    return (-(-m // rows) * tiles_n,), tiles_n, constants
 
 
 def rows_of(t, for_output=False):
@@ -164,12 +239,10 @@ def swiglu_forward(g, u, y):
     gate, up = halves(g) if u is None else (g, u)
     (g_rows, _, g_strides), (u_rows, _, u_strides) = rows_of(gate), rows_of(up)
     y_rows, y_copied, y_strides = rows_of(y, True)
-    (m, n), (grid, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    tensors, ints = (g_rows, u_rows, y_rows), (m, n, tiles_n, *g_strides, *u_strides, *y_strides)
     with device:
-        swiglu_forward_kernel[grid](
-            g_rows, u_rows, y_rows, m, n, tile_of(m, n)[2], *g_strides, *u_strides, *y_strides,
-            **meta,
-        )  # fmt: skip
+        launch(swiglu_forward_kernel, grid, (*tensors, *ints), meta, specialisation(ints, tensors))
     if y_copied:
         y.copy_(y_rows.view(y.shape))
     return y
@@ -186,12 +259,11 @@ def swiglu_backward(g, u, dy, dg, du=None):
     dy_rows, _, dy_strides = rows_of(dy)
     dg_rows, dg_copied, dg_strides = rows_of(d_gate, True)
     du_rows, du_copied, du_strides = rows_of(d_up, True)
-    (m, n), (grid, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    tensors = (g_rows, u_rows, dy_rows, dg_rows, du_rows)
+    ints = (m, n, tiles_n, *g_strides, *u_strides, *dy_strides, *dg_strides, *du_strides)
     with device:
-        swiglu_backward_kernel[grid](
-            g_rows, u_rows, dy_rows, dg_rows, du_rows, m, n, tile_of(m, n)[2], *g_strides,
-            *u_strides, *dy_strides, *dg_strides, *du_strides, **meta,
-        )  # fmt: skip
+        launch(swiglu_backward_kernel, grid, (*tensors, *ints), meta, specialisation(ints, tensors))
     for copied, target, source in ((dg_copied, d_gate, dg_rows), (du_copied, d_up, du_rows)):
         if copied:
             target.copy_(source.view(target.shape))
