@@ -16,7 +16,8 @@ import nox
 
 ROOT = Path(__file__).parent
 BLAS = ["copy", "swap", "scal", "axpby", "dot", "gemv", "geru", "gemm"]
-TRANSFORMER = ["softmax", "rmsnorm", "layernorm"]  # sub-folders of transformer/
+# sub-folders of transformer/
+TRANSFORMER = ["softmax", "rmsnorm", "layernorm", "swiglu", "rope", "cross_entropy"]
 
 COURSE_ENV = ROOT / ".nox" / "course"
 REQUIREMENTS = ROOT / "requirements.txt"

@@ -465,10 +465,12 @@ def on_device_of(t):
 
 
 # -- The launch: Triton's host work done once per specialisation ------------------------------
-# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call (README.md, "The
-# host path"): it binds each argument by name, asks each what the compiled code depends on and
-# builds a string key to find the compiled kernel. `launch` keeps the compiled kernel Triton
-# returns at the first call of a specialisation and hands later calls straight to its launcher.
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
 
 # (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
 # constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
@@ -493,15 +495,14 @@ def unhooked(hook):
     return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
-def launch(kernel, programs, args, constants, specialised):
-    """kernel[(programs,)](*args, **constants), where `specialised` is specialisation() of the
-    ints and the caller's tensors among `args`; what Triton makes of the others the constants
-    and C's dtype fix (a float is float32, None a constant, a descriptor its dtype and block
-    shape, the split workspace a whole allocation, aligned). The first call of each key goes
-    through Triton, which compiles the kernel or finds it compiled; later ones call its launcher
-    on the current stream, as Triton's last step does. Triton's own path stays for whatever needs
-    it: the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a
-    profiler), a kernel that reads globals (Triton checks them at each launch)."""
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
     if (
         not isinstance(kernel, JITFunction)
         or kernel.pre_run_hooks
@@ -509,7 +510,7 @@ def launch(kernel, programs, args, constants, specialised):
         or not unhooked(knobs.runtime.launch_enter_hook)
         or not unhooked(knobs.runtime.launch_exit_hook)
     ):
-        kernel[(programs,)](*args, **constants)
+        kernel[grid](*args, **constants)
         return
     device = driver.active.get_current_device()
     key = (
@@ -518,14 +519,14 @@ def launch(kernel, programs, args, constants, specialised):
     )  # fmt: skip
     found = COMPILED.get(key)
     if found is None:
-        compiled = kernel[(programs,)](*args, **constants)
+        compiled = kernel[grid](*args, **constants)
         if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
             rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
             COMPILED[key] = compiled, rest
         return
     compiled, rest = found
     compiled.run(
-        programs, 1, 1, driver.active.get_current_stream(device), compiled.function,
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
         compiled.packed_metadata, None, None, None, *args, *rest,
     )  # fmt: skip
 
@@ -553,7 +554,8 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
             ints = (m, n, k, *A.stride(), *B.stride(), *C.stride())
             args = (A, B, C, partials, counters, *ints, alpha32, beta32)
             flags = {"READ_AB": read_ab, "READ_C": read_c}
-            launch(gemm_kernel, units, args, {**flags, **config}, specialisation(ints, (A, B, C)))
+            specialised = specialisation(ints, (A, B, C))
+            launch(gemm_kernel, (units,), args, {**flags, **config}, specialised)
             return C
         if path == "staged":
             A, B = (t if tma_ready(t) else aligned_copy(t) for t in (A, B))
@@ -565,5 +567,5 @@ def gemm(alpha, A, B, beta, C, *, allow_tf32=False):
         ints = (m, n, k, *C.stride())
         args = (a_desc, b_desc, C, partials, counters, *ints, alpha32, beta32)
         flags = {"A_TRANSPOSED": a_transposed, "B_TRANSPOSED": b_transposed, "READ_C": read_c}
-        launch(gemm_tma_kernel, programs, args, {**flags, **config}, specialisation(ints, (C,)))
+        launch(gemm_tma_kernel, (programs,), args, {**flags, **config}, specialisation(ints, (C,)))
     return C

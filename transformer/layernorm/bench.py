@@ -4,13 +4,15 @@
     python bench.py --quick    two shapes only, no files (the GPU probe)
 
 Minimal traffic: the forward reads x and writes y (2MN elements, plus w and b); the backward
-reads x and dy and writes dx (3MN, plus w, dw and db), so fwd+bwd counts 5MN. Times are
-medians of `triton.testing.do_bench` (the L2 cache flushed before each call), implementations
-interleaved shape by shape. The ceiling is a 1 GiB device-to-device copy of the same run. The
-library op is torch.nn.functional.layer_norm (fwd+bwd: its autograd). Anchors, when
-importable: torch.compile of the library op (inductor's fused kernel; its result checked
-first), Liger's and QuACK's layernorm (QuACK with float32 weight and bias, which it
-requires); a missing one prints why.
+reads x and dy and writes dx (3MN, plus w, dw and db), so fwd+bwd counts 5MN. Times are medians
+of `triton.testing.do_bench` (the L2 cache flushed before each call) of each pass captured in a
+CUDA graph and replayed: the kernels' time (timed call by call, fwd+bwd was host-bound wherever
+its GPU work was under ~0.5 ms; the per-call rows measure the host). A call that cannot be
+captured is timed eagerly, and its row's `timing` says why. Implementations are interleaved
+shape by shape. The ceiling is a 1 GiB device-to-device copy of the same run. The library op is
+torch.nn.functional.layer_norm (fwd+bwd: its autograd). Anchors, when importable: torch.compile
+of the library op (inductor's fused kernel; its result checked first), Liger's and QuACK's
+layernorm (QuACK with float32 weight and bias, which it requires); a missing one prints why.
 """
 
 import json
@@ -70,6 +72,28 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def graph_ms(fn):
+    """(median ms, timing) of fn, replayed as one captured CUDA graph: the figure is the
+    kernels' time. Timed call by call, a pass whose host work (Python, the autograd engine)
+    outlasts its kernels would time the host, which the per-call rows measure on their own. A
+    call that waits on the host (it reads a value) cannot be captured: timed eagerly, it says why.
+    """
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up (compiles, autotunes, allocates) and capture on one side stream: autograd runs a
+    # backward op on its forward's stream, and leaving the block restores the caller's stream
+    # even when a failed capture skips torch.cuda.graph's own restore.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:  # fn ran eagerly just above: this is the capture's refusal
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
@@ -77,20 +101,22 @@ def copy_ceiling_gbps():
 
 
 def timed_passes(forward, x, w, b, dy):
-    """(fwd ms, fwd+bwd ms) of a differentiable forward; the anchor must agree with torch."""
+    """((fwd ms, fwd+bwd ms), their timings) of a differentiable forward; the anchor must
+    agree with torch."""
     leaves = [t.detach().requires_grad_() for t in (x, w, b)]
     expected = F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), EPS)
     got = forward(x, w, b).float()
     if not torch.allclose(got, expected, atol=1e-2, rtol=2**-7):  # a sanity check, not the bound
         raise RuntimeError(f"wrong result (largest error {(got - expected).abs().max():.3g})")
-    fwd = median_ms(lambda: forward(x, w, b))
+    fwd = graph_ms(lambda: forward(x, w, b))
 
     def forward_backward():
         for leaf in leaves:
             leaf.grad = None
         forward(*leaves).backward(dy)
 
-    return fwd, median_ms(forward_backward)
+    both = graph_ms(forward_backward)
+    return (fwd[0], both[0]), (fwd[1], both[1])
 
 
 def per_call_rows(impls, dtype):
@@ -121,10 +147,10 @@ def shape_rows(impls, dtype, shape, ceiling):
     m, n = shape
     x, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
     w, b = (1 + torch.randn(n, device="cuda")).to(dtype), torch.randn(n, device="cuda").to(dtype)
-    times = {}
+    times, timings = {}, {}
     for name, forward in impls.items():
         try:
-            times[name] = timed_passes(forward, x, w, b, dy)
+            times[name], timings[name] = timed_passes(forward, x, w, b, dy)
         except Exception as error:  # an anchor that refuses a shape or a dtype
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n}: skipped ({type(error).__name__}: "
                   f"{str(error)[:80]})")  # fmt: skip
@@ -135,13 +161,15 @@ def shape_rows(impls, dtype, shape, ceiling):
             nbytes = traffic[pass_name]
             gbps = nbytes / ms / 1e6
             library = times.get("library", (None, None))[pass_name == "fwd+bwd"]
+            timing = timings[name][pass_name == "fwd+bwd"]
             rows.append(
                 {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:], "shape": [m, n],
                  "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
-                 "vs_library": library / ms if library else None}
+                 "vs_library": library / ms if library else None,
+                 "timing": timing}
             )  # fmt: skip
             print(f"{name:8s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
-                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
 

@@ -12,7 +12,7 @@ forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sum
          (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
          q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
          (the last tile is still in registers, the others likely in L2): y = xhat w + b.
-backward one block per row group (`row_groups`, as in triton_impl.py): per row, pass 1 sums g
+backward one block per row group (`row_groups`): per row, pass 1 sums g
          and g xhat (`block_sum`), pass 2 writes dx and adds dy xhat and dy into the group's
          float32 partial rows; `sum_partials_kernel` adds the groups in order.
 
@@ -428,7 +428,9 @@ def is_vector_friendly(t):
 
 
 def row_groups(m):
-    """(groups, rows per group), as triton_impl.row_groups."""
+    """(groups, rows per group): m rows cut into at most PARTIALS_MAX runs of equal length (the
+    last may be shorter), one block and one partial row each (triton_impl.row_groups's cut for
+    rows of one row a step)."""
     rows_per_group = max(-(-m // PARTIALS_MAX), 1)
     return -(-m // rows_per_group), rows_per_group
 

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,10 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # CuTe builds for the H200 without one
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import reference
 import torch_impl
@@ -859,22 +864,159 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
 
 
 def test_triton_dispatch():
-    """Rows up to ROW_BLOCK_MAX go to the forward rows kernel, several short rows a program;
-    the backward cuts the rows into at most PARTIALS_MAX groups of equal length."""
-    assert triton_impl.rows_launch(1000, 1)[1:3] == (1024, 1)
-    assert triton_impl.rows_launch(3, 100)[1] == 4  # never more rows than m needs
-    assert triton_impl.rows_launch(8, 32768)[1:] == (1, 32768, 32)
-    assert triton_impl.rows_launch(8, 32769) is None
-    assert triton_impl.row_groups(1) == (1, 1)
-    assert triton_impl.row_groups(512) == (512, 1)
-    assert triton_impl.row_groups(513) == (257, 2)
-    assert triton_impl.row_groups(32768) == (512, 64)
+    """Rows up to ROW_BLOCK_MAX (BACKWARD_ROW_BLOCK_MAX) go to the rows kernels, several short
+    rows a program (a step); the backward cuts the rows into at most PARTIALS_MAX groups of
+    equal length, each a whole number of steps."""
+    forward, backward = triton_impl.ROW_BLOCK_MAX, triton_impl.BACKWARD_ROW_BLOCK_MAX
+    assert triton_impl.rows_launch(1000, 1, forward)[:2] == (1024, 1)
+    assert triton_impl.rows_launch(3, 100, forward)[0] == 4  # never more rows than m needs
+    assert triton_impl.rows_launch(8, 32768, forward) == (1, 32768, 32)
+    assert triton_impl.rows_launch(8, 32769, forward) is None
+    assert triton_impl.rows_launch(8, 8192, backward) == (1, 8192, 16)
+    assert triton_impl.rows_launch(8, 8193, backward) is None
+    assert triton_impl.row_groups(1, 4096) == (1, 1)
+    assert triton_impl.row_groups(512, 4096) == (512, 1)
+    assert triton_impl.row_groups(513, 4096) == (257, 2)
+    assert triton_impl.row_groups(32768, 4096) == (512, 64)
+    assert triton_impl.row_groups(32768, 1024) == (512, 64)  # 32 steps of 2 rows
+    assert triton_impl.row_groups(1000, 128) == (63, 16)  # one step of 16 rows each
+    assert triton_impl.row_groups(1000, 8193) == (500, 2)  # looped: a row a step
+    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 512)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["affine", "none"])
+def test_triton_row_blocks_in_groups(dtype, kind, monkeypatch):
+    """With 512-element programs and at most 4 row groups, 37 rows of 100 take the backward
+    rows kernel 4 rows a step, 3 steps a group, and the last group's one row leaves a step
+    mostly past m: the H200's several steps of ROWS rows a group, at sizes the interpreter
+    runs."""
+    monkeypatch.setattr(triton_impl, "PROGRAM_ELEMS_MIN", 512)
+    monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 4)
+    assert triton_impl.rows_launch(37, 100, triton_impl.BACKWARD_ROW_BLOCK_MAX)[:2] == (4, 128)
+    assert triton_impl.row_groups(37, 100) == (4, 12)
+    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 4)
+    forward_then_backward("triton", random_rows(37, 100, dtype), random_rows(37, 100, dtype), kind)
 
 
 def test_triton_looped_at_real_size():
     """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes, both ways."""
     x, dy = random_rows(2, 40000, torch.bfloat16), random_rows(2, 40000, torch.bfloat16)
     forward_then_backward("triton", x, dy)
+
+
+def launch_cases():
+    """Forward and backward calls that change what Triton compiles for, one thing at a time:
+    the dtype, n (BLOCK_N), m = 1, a row stride off a multiple of 16, an address off 16 bytes,
+    float32 or no parameters, an int eps (passed as float32 like any float), n = 98 after 100
+    (the dbias partials, groups x n floats past the dweight ones, lose their 16-byte
+    alignment), rows past the register limits (the looped kernels). The stand-ins compute
+    nothing."""
+
+    def both(x, kind="affine", eps=EPS):
+        weight, bias = parameters(x.shape[-1], kind, x.dtype)
+        y, mean, rstd = fresh_outputs(x)
+        dy, dx = torch.randn_like(x), torch.empty_like(x)
+        dw, db = (
+            (None, None) if weight is None else (torch.empty_like(weight), torch.empty_like(bias))
+        )
+        return lambda: (
+            triton_impl.layernorm_forward(x, weight, bias, eps, y, mean, rstd),
+            triton_impl.layernorm_backward(x, weight, mean, rstd, dy, dx, dw, db),
+        )
+
+    for dtype in DTYPES:
+        yield both(random_rows(4, 96, dtype))
+    yield both(random_rows(4, 1000, torch.float32))
+    yield both(random_rows(1, 96, torch.float32))
+    yield both(random_rows(4, 97, torch.float32)[:, :96])
+    yield both(torch.randn(4 * 96 + 1, device=DEVICE)[1:].view(4, 96))
+    yield both(random_rows(4, 96, torch.bfloat16), "float32 affine")
+    yield both(random_rows(4, 96, torch.bfloat16), "none")
+    yield both(random_rows(4, 96, torch.float32), eps=1)
+    yield both(random_rows(4, 100, torch.bfloat16))
+    yield both(random_rows(4, 98, torch.bfloat16))
+    yield both(random_rows(2, 40000, torch.bfloat16))
+
+
+# Each case: a forward, the backward and its two partials sums (none without parameters).
+# Some cases change nothing for some kernels (the backwards after the strided and the
+# misaligned x see contiguous, aligned dy and dx; the int eps is the float32 case again):
+# 30 keys in all. Leaving the dbias partials out of specialisation() serves n = 98 the
+# kernel compiled for n = 100: 29.
+MIN_SPECIALISATIONS = 30
+
+# --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
+
+
+class CompiledStandIn:
+    """Stands in for the CompiledKernel Triton returns for one specialisation: run() records the
+    arguments a cached launch hands the GPU."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, kernel, specialised, launches):
+        self.kernel, self.specialised, self.launches = kernel, specialised, launches
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args):
+        self.launches.append((self, hooks_and_args[3:]))
+
+
+class KernelStandIn(JITFunction):
+    """A JITFunction whose kernel[grid](...) binds the arguments as Triton's sm_90 binder does
+    and records them instead of compiling; it returns a CompiledStandIn."""
+
+    def __init__(self, fn, launches):
+        super().__init__(fn)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(self.signature, self.params, backend)
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            bound, specialised, options = self.binder(*args, **constants)
+            self.launches.append((self, tuple(bound.values()), str(specialised) + str(options)))
+            return CompiledStandIn(self, str(specialised), self.launches)
+
+        return run
+
+
+def as_launched(values):
+    """Launch arguments as comparable values: a tensor by its dtype, layout and address modulo
+    16 (not the address: a scratch buffer is a fresh allocation at each call)."""
+    return [
+        (v.dtype, v.shape, v.stride(), v.data_ptr() % 16) if torch.is_tensor(v) else v
+        for v in values
+    ]
+
+
+def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
+    """Every kernel a stand-in, each case called twice: the second call takes the cached path
+    (no kernel[grid]) and hands the launcher exactly the arguments Triton bound in the first;
+    no specialisation goes through Triton twice, and every cached launch goes to a kernel
+    compiled for the specialisation of its own arguments: a new dtype, alignment, stride class,
+    size of 1 or constexpr is never served a stale kernel."""
+    launches = []
+    for name in dir(triton_impl):
+        if name.endswith("_kernel"):
+            kernel = getattr(triton_impl, name)
+            monkeypatch.setattr(triton_impl, name, KernelStandIn(kernel.fn, launches))
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda _: 7)
+    monkeypatch.setattr(triton_impl, "driver", SimpleNamespace(active=active))
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    for call in launch_cases():
+        start = len(launches)
+        call()
+        middle = len(launches)
+        call()
+        first, second = launches[start:middle], launches[middle:]
+        assert all(isinstance(launch[0], CompiledStandIn) for launch in second), "went to Triton"
+        assert [as_launched(f[1]) for f in first] == [as_launched(s[1]) for s in second]
+    through_triton = [(id(launch[0]), launch[2]) for launch in launches if len(launch) == 3]
+    assert len(set(through_triton)) == len(through_triton), "Triton compiled a key twice"
+    assert len(through_triton) >= MIN_SPECIALISATIONS
+    for compiled, args in (launch for launch in launches if len(launch) == 2):
+        assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------

@@ -18,9 +18,9 @@ Kernels, picked by the row length N (README.md, "Triton"):
   longer rows: `layernorm_forward_looped_kernel` streams the row twice in chunks of CHUNK.
 * backward: the rows are cut into at most PARTIALS_MAX consecutive groups (`row_groups`), one
   program per group. `layernorm_backward_rows_kernel` (N <= BACKWARD_ROW_BLOCK_MAX) walks its
-  rows one at a time with the row in registers, writes dx, and keeps the group's dw and db
-  partial sums in registers; `layernorm_backward_looped_kernel` streams longer rows twice and
-  adds into the group's partial row in memory. `sum_partials_kernel` then adds the groups'
+  rows a [ROWS, BLOCK_N] block at a time in registers, writes dx, and keeps the group's dw and
+  db partial sums in registers; `layernorm_backward_looped_kernel` streams longer rows twice
+  and adds into the group's partial row in memory. `sum_partials_kernel` then adds the groups'
   float32 partials in group order: no atomics, the same bits on every run.
 
 rsqrt is `rsqrt.approx.ftz.f32` (its error is in README.md's bound); every sum is a fixed tree
@@ -34,8 +34,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
-from reference import as_rows, as_vector, check_backward, check_forward, to_float32
+from reference import as_rows, as_vector, check_backward, check_forward
 from torch_impl import LayerNorm as TorchLayerNorm
 from torch_impl import autograd_function, custom_ops
 
@@ -48,8 +52,9 @@ ROW_BLOCK_MAX = 32768
 BACKWARD_ROW_BLOCK_MAX = 8192
 CHUNK = 4096
 CHUNK_WARPS = 8
-# A forward program handles at least this many elements (several short rows), and gives each
-# thread about ELEMS_PER_THREAD of them: 2 to 4 16-byte loads in flight per operand.
+# A rows-kernel program (either way) handles at least this many elements (several short
+# rows), and gives each thread about ELEMS_PER_THREAD of them: 2 to 4 16-byte loads in flight
+# per operand.
 PROGRAM_ELEMS_MIN = 2048
 ELEMS_PER_THREAD = 16
 # The backward's row groups: enough programs to fill the H200's 132 SMs several times, few
@@ -162,45 +167,43 @@ def layernorm_forward_looped_kernel(
 
 
 @triton.jit
-def row_gradient(x, dy, w, mean, rstd, inv_n, LEVELS: tl.constexpr):
-    """(xhat, dx) of one row held in registers; lanes past n hold x = dy = 0 (g = 0)."""
-    xhat = (x - mean) * rstd
-    g = dy * w
-    a, b = row_sums(g, g * xhat, LEVELS)
-    a, b = a * inv_n, b * inv_n
-    return xhat, (g - a - xhat * b) * rstd
-
-
-@triton.jit
 def layernorm_backward_rows_kernel(
     x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, m, n,
     rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
-    stride_mean, stride_rstd, inv_n, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    stride_mean, stride_rstd, inv_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG2_BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N).to(tl.int64)
-    in_row = cols < n
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    in_row = offs_n < n
     w = tl.full([BLOCK_N], 1.0, tl.float32)
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    dw_sum = tl.zeros([BLOCK_N], tl.float32)  # this group's partial sums, row after row
+        w = tl.load(w_ptr + offs_n, mask=in_row, other=0.0).to(tl.float32)
+    dw_sum = tl.zeros([BLOCK_N], tl.float32)  # this group's partial sums, ROWS rows a step
     db_sum = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, rows_per_group):
-        row = group * rows_per_group + i
-        mask = in_row & (row < m)  # a row past m reads zeros and adds exactly nothing
-        x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0)
-        dy = tl.load(dy_ptr + row * stride_dym + cols * stride_dyn, mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        mean = tl.load(mean_ptr + row * stride_mean, mask=row < m, other=0.0)
-        rstd = tl.load(rstd_ptr + row * stride_rstd, mask=row < m, other=0.0)
-        xhat, dx = row_gradient(x.to(tl.float32), dy, w, mean, rstd, inv_n, LOG2_BLOCK_N)
-        dx_ptrs = dx_ptr + row * stride_dxm + cols * stride_dxn
+    # ROWS rows a step (rows_per_group is a multiple of ROWS): their loads are in flight
+    # together and their trees share each level's barrier, where one row at a time left the
+    # SM waiting on a row's load, then on its tree.
+    for step in range(0, rows_per_group, ROWS):
+        offs_m = group * rows_per_group + step + tl.arange(0, ROWS)
+        mask = (offs_m[:, None] < m) & in_row[None, :]  # rows past m read zeros, add nothing
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
+        dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + offs_m * stride_mean, mask=offs_m < m, other=0.0)
+        rstd = tl.load(rstd_ptr + offs_m * stride_rstd, mask=offs_m < m, other=0.0)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]  # lanes past n: dy = 0, so g = 0 and they add nothing below
+        a, b = pairwise_sums(g, g * xhat, LOG2_BLOCK_N)
+        a, b = a * inv_n, b * inv_n
+        dx = (g - a[:, None] - xhat * b[:, None]) * rstd[:, None]
+        dx_ptrs = dx_ptr + offs_m[:, None] * stride_dxm + offs_n[None, :] * stride_dxn
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw_sum += dy * xhat
-        db_sum += dy
-    tl.store(dw_partial_ptr + group * n + cols, dw_sum, mask=in_row)
-    tl.store(db_partial_ptr + group * n + cols, db_sum, mask=in_row)
+        dw_sum += tl.sum(dy * xhat, axis=0)  # the step's rows in a compiler-fixed order
+        db_sum += tl.sum(dy, axis=0)
+    tl.store(dw_partial_ptr + group * n + offs_n, dw_sum, mask=in_row)
+    tl.store(db_partial_ptr + group * n + offs_n, db_sum, mask=in_row)
 
 
 @triton.jit
@@ -307,22 +310,93 @@ def on_device_of(t):
     )
 
 
-def rows_launch(m, n):
-    """(grid, rows per program, BLOCK_N, num_warps) of the forward rows kernel, None past
-    ROW_BLOCK_MAX: BLOCK_N is n's next power of two, ROWS packs short rows (never more than m)
-    so a program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
+def rows_launch(m, n, block_max):
+    """(rows per program or step, BLOCK_N, num_warps) of a rows kernel, None past block_max:
+    BLOCK_N is n's next power of two, ROWS packs short rows (never more than m needs) so a
+    program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
     block_n = 1 << (n - 1).bit_length()
-    if block_n > ROW_BLOCK_MAX:
+    if block_n > block_max:
         return None
     rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
     num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
-    return ((m + rows - 1) // rows,), rows, block_n, num_warps
+    return rows, block_n, num_warps
 
 
-def row_groups(m):
-    """(groups, rows per group): m rows cut into at most PARTIALS_MAX runs of equal length
-    (the last may be shorter), one backward program and one partial row each."""
-    rows_per_group = max(-(-m // PARTIALS_MAX), 1)
+def row_groups(m, n):
+    """(groups, rows per group) of the backward: m rows cut into at most PARTIALS_MAX runs of
+    equal length (the last may be shorter), one program and one partial row each; a run is a
+    whole number of the rows kernel's ROWS-row steps (one row a step on the looped path)."""
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    rows = tile[0] if tile else 1
+    blocks = -(-m // rows)
+    rows_per_group = -(-blocks // PARTIALS_MAX) * rows
     return -(-m // rows_per_group), rows_per_group
 
 
@@ -338,14 +412,16 @@ def statistics_path(n, dtype):
 
 def backward_path(m, n, dtype):
     """(row additions into a and b, column additions into dweight and dbias): the row's tree
-    as in the forward; a group's rows one after another, then the groups in order."""
-    block_n = 1 << (n - 1).bit_length()
-    if block_n <= BACKWARD_ROW_BLOCK_MAX:
+    as in the forward; a step's ROWS rows by tl.sum (any order: ROWS - 1), one add a step into
+    the group's sums, then the groups in order."""
+    tile = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
+    if tile is not None:
+        rows, block_n, _ = tile
         row = block_n.bit_length() - 1
     else:
-        row = -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
-    groups, rows_per_group = row_groups(m)
-    return row, rows_per_group + groups
+        rows, row = 1, -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
+    groups, rows_per_group = row_groups(max(m, 1), n)
+    return row, rows - 1 + rows_per_group // rows + groups
 
 
 def parameter_vector(t, like):
@@ -364,22 +440,23 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
     (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
     (m, n), w, b = x_rows.shape, parameter_vector(weight, x), parameter_vector(bias, x)
-    layout = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
-    operands = (x_rows, w, b, y_rows, mean_v, rstd_v)
-    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None}
-    launch = rows_launch(m, n)
+    strides = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
+    tensors = (x_rows, w, b, y_rows, mean_v, rstd_v)
+    tile = rows_launch(m, n, ROW_BLOCK_MAX)
+    if tile is not None:
+        rows, block_n, num_warps = tile
+        kernel, grid, sizes = layernorm_forward_rows_kernel, (-(-m // rows),), (m, n)
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+    else:
+        kernel, grid, sizes, num_warps = layernorm_forward_looped_kernel, (m,), (n,), CHUNK_WARPS
+        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
+    constants.update(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=num_warps)
+    ints = (*sizes, *strides)
+    # float(eps): Triton would compile an int eps in as an integer (1 as a constant), which
+    # specialisation() does not cover; a float is always passed as float32.
     with device:
-        if launch is not None:
-            grid, rows, block_n, num_warps = launch
-            layernorm_forward_rows_kernel[grid](
-                *operands, m, n, *layout, 1.0 / n, to_float32(eps), ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, num_warps=num_warps, **flags,
-            )  # fmt: skip
-        else:
-            layernorm_forward_looped_kernel[(m,)](
-                *operands, n, *layout, 1.0 / n, to_float32(eps), CHUNK=CHUNK,
-                LOG2_CHUNK=CHUNK.bit_length() - 1, num_warps=CHUNK_WARPS, **flags,
-            )  # fmt: skip
+        launch(kernel, grid, (*tensors, *ints, 1.0 / n, float(eps)), constants,
+               specialisation(ints, tensors))  # fmt: skip
     for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),
                                    (rstd_copied, rstd_v, rstd)):  # fmt: skip
         if copied:
@@ -398,32 +475,30 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
     (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
     (m, n), w = x_rows.shape, parameter_vector(weight, x)
-    groups, rows_per_group = row_groups(m)
-    block_n = 1 << (n - 1).bit_length()
-    looped = block_n > BACKWARD_ROW_BLOCK_MAX
+    groups, rows_per_group = row_groups(m, n)
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    looped = tile is None
     partials = (torch.zeros if looped else torch.empty)(
         2, groups, n, dtype=torch.float32, device=x.device
     )
-    layout = (*x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(), mean_v.stride(0),
-              rstd_v.stride(0))  # fmt: skip
-    operands = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
+    tensors = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
+    ints = (m, n, rows_per_group, *x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(),
+            mean_v.stride(0), rstd_v.stride(0))  # fmt: skip
+    if not looped:
+        rows, block_n, num_warps = tile
+        kernel = layernorm_backward_rows_kernel
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+    else:
+        kernel, num_warps = layernorm_backward_looped_kernel, CHUNK_WARPS
+        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
+    constants.update(HAS_WEIGHT=weight is not None, num_warps=num_warps)
     with device:
-        if not looped:
-            layernorm_backward_rows_kernel[(groups,)](
-                *operands, m, n, rows_per_group, *layout, 1.0 / n, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, HAS_WEIGHT=weight is not None,
-                num_warps=min(max(block_n // 256, 4), 16),
-            )  # fmt: skip
-        else:
-            layernorm_backward_looped_kernel[(groups,)](
-                *operands, m, n, rows_per_group, *layout, 1.0 / n, CHUNK=CHUNK,
-                LOG2_CHUNK=CHUNK.bit_length() - 1, HAS_WEIGHT=weight is not None,
-                num_warps=CHUNK_WARPS,
-            )  # fmt: skip
+        launch(kernel, (groups,), (*tensors, *ints, 1.0 / n), constants,
+               specialisation(ints, tensors))  # fmt: skip
         for out, k in sums:
-            sum_partials_kernel[(triton.cdiv(n, PARTIAL_COLUMNS),)](
-                partials[k], out, groups, n, out.stride(0), BLOCK=PARTIAL_COLUMNS
-            )
+            sum_tensors, sum_ints = (partials[k], out), (groups, n, out.stride(0))
+            launch(sum_partials_kernel, (-(-n // PARTIAL_COLUMNS),), (*sum_tensors, *sum_ints),
+                   {"BLOCK": PARTIAL_COLUMNS}, specialisation(sum_ints, sum_tensors))  # fmt: skip
     if dx_copied:
         dx.copy_(dx_rows.view(dx.shape))
     return dx, dweight, dbias

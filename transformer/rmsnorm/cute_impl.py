@@ -1,17 +1,19 @@
-"""RMSNorm forward and backward in the CuTe DSL: a block per row for the row statistics, a
-block per (column tile, group of rows) for dx and the dweight partials.
+"""RMSNorm forward and backward in the CuTe DSL: a block (short rows: a warp) per row for the
+row statistics, a block per (column tile, group of rows) for dx and the dweight partials.
 
     rstd = 1 / sqrt(mean(h**2) + eps)     y = h * rstd * w     (h = x, or x + residual stored)
     dx = rstd (g - xhat * mean(g * xhat))  (+ dresidual_out)   g = dy * w, xhat = h * rstd
 
-The map (README.md, "CuTe", draws it): 256 threads walk a row in tiles of 256 * V elements;
+The map (README.md, "CuTe", draws it): P threads walk a row in tiles of P * V elements;
 thread t holds the same V elements of every tile (two runs of 16 bytes of x's dtype, moved by
-128-bit copies; a float32 weight or partial row uses the same runs, two copies each).
+128-bit copies; a float32 weight or partial row uses the same runs, two copies each). P is the
+block's 256 threads, or in the forward of rows of at most WARP_ROW_BYTES_MAX a warp's 32.
 
-forward  `rmsnorm_forward_kernel`, a block per row. Pass 1: h (stored when fused), each thread
-         sums its squares (`pairwise_sum` per tile), `block_sum` (dot/'s warp -> block tree)
-         gives the row's; rstd = rsqrt.approx(sum / n + eps). Pass 2, last tile first (likeliest
-         still cached): y = h * rstd * w.
+forward  `rmsnorm_forward_kernel`, a block (short rows: a warp, 8 rows a block) per row.
+         Pass 1: h (stored when fused), each thread sums its squares (`pairwise_sum` per
+         tile), `block_sum` (dot/'s warp -> block tree; a warp's row: `butterfly_sum` alone)
+         gives the row's; rstd = rsqrt.approx(sum / n + eps). Pass 2, last tile first
+         (likeliest still cached): y = h * rstd * w.
 backward `row_dots_kernel`, a block per row: mean(g * xhat). `rmsnorm_backward_columns_kernel`,
          a block per (tile, group): for each row of its group, dx of its tile, and the tile's
          dy * xhat summed in registers into one row of float32 `partials`.
@@ -41,6 +43,10 @@ WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
 VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
 # Two 16-byte vectors of x's dtype per thread and operand per tile: two loads in flight.
 VECTORS_PER_THREAD = 2
+# A 2 KB row over a block's 256 threads leaves 3/4 of them idle and the block waiting on its
+# barrier; rows of at most 4 KB go a warp each (8 rows, up to 32 KB, a block) and are reduced by
+# shuffles alone. Longer rows keep a block each: they fill over half its 8 KB tile.
+WARP_ROW_BYTES_MAX = 4096
 # Blocks of the columns kernel: about four per H200 SM, fixed by the shape alone so that the
 # order of dweight's sum does not depend on the device.
 GROUPS_MAX = 512
@@ -125,7 +131,7 @@ def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], va
     in 128-bit vectors; the row's last, partial tile element by element, each under a
     predicate (index < n); what it skips holds 0."""
     tile_copy, element_copy = tiled_copies
-    thread, _, _ = cute.arch.thread_idx()
+    thread = cute.arch.thread_idx()[0] % tile_copy.size  # its place among the row's threads
     row_tile = cute.local_tile(row, (tile_elems,), (tile,))
     if (tile + 1) * tile_elems <= n:
         copy_in(tile_copy.get_slice(thread), row_tile, values, None)
@@ -139,7 +145,7 @@ def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], va
 def store_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
     """The reverse of load_tile: values rounded to the row's dtype and stored."""
     tile_copy, element_copy = tiled_copies
-    thread, _, _ = cute.arch.thread_idx()
+    thread = cute.arch.thread_idx()[0] % tile_copy.size  # its place among the row's threads
     row_tile = cute.local_tile(row, (tile_elems,), (tile,))
     if (tile + 1) * tile_elems <= n:
         copy_out(tile_copy.get_slice(thread), values, row_tile, None)
@@ -156,35 +162,42 @@ def registers(count):
 @cute.kernel
 def rmsnorm_forward_kernel(
     x: cute.Tensor, res: cute.Tensor, w: cute.Tensor, y: cute.Tensor, rstd: cute.Tensor,
-    h: cute.Tensor, n: cutlass.Int32, eps: cutlass.Float32, copies, w_copies,
+    h: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, eps: cutlass.Float32, copies, w_copies,
     tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
-    fused: cutlass.Constexpr[bool],
+    threads_per_row: cutlass.Constexpr[int], fused: cutlass.Constexpr[bool],
 ):  # fmt: skip
-    row, _, _ = cute.arch.block_idx()
+    block, _, _ = cute.arch.block_idx()
     thread, _, _ = cute.arch.thread_idx()
-    tiles = (n + tile_elems - 1) // tile_elems
-    values, other = registers(per_thread), registers(per_thread)
-    thread_sum = cutlass.Float32(0.0)
-    for tile in cutlass.range(tiles):
-        load_tile(copies, x[row, None], tile, n, tile_elems, values)
-        if cutlass.const_expr(fused):  # h = x + residual, rounded once to x's dtype, stored
-            load_tile(copies, res[row, None], tile, n, tile_elems, other)
+    row = block * (THREADS_PER_BLOCK // threads_per_row) + thread // threads_per_row
+    # A warp per row: the last block's warps past M have none. A block per row: always true.
+    if row < m:
+        tiles = (n + tile_elems - 1) // tile_elems
+        values, other = registers(per_thread), registers(per_thread)
+        thread_sum = cutlass.Float32(0.0)
+        for tile in cutlass.range(tiles):
+            load_tile(copies, x[row, None], tile, n, tile_elems, values)
+            if cutlass.const_expr(fused):  # h = x + residual, rounded once to x's dtype, stored
+                load_tile(copies, res[row, None], tile, n, tile_elems, other)
+                for j in cutlass.range_constexpr(per_thread):
+                    values[j] = (values[j] + other[j]).to(x.element_type).to(cutlass.Float32)
+                store_tile(copies, h[row, None], tile, n, tile_elems, values)
+            squares = [values[j] * values[j] for j in range(per_thread)]
+            thread_sum = thread_sum + pairwise_sum(squares)
+        if cutlass.const_expr(threads_per_row == WARP_SIZE):
+            row_sum = butterfly_sum(thread_sum, WARP_SIZE)  # shuffles only: no barrier
+        else:
+            row_sum = block_sum(thread_sum)
+        row_rstd = cute.math.rsqrt(row_sum / n.to(cutlass.Float32) + eps, fastmath=True)
+        if thread % threads_per_row == 0:
+            rstd[row] = row_rstd
+        source = h if cutlass.const_expr(fused) else x  # fused: read the stored stream back
+        for back in cutlass.range(tiles):
+            tile = tiles - 1 - back
+            load_tile(copies, source[row, None], tile, n, tile_elems, values)
+            load_tile(w_copies, w, tile, n, tile_elems, other)
             for j in cutlass.range_constexpr(per_thread):
-                values[j] = (values[j] + other[j]).to(x.element_type).to(cutlass.Float32)
-            store_tile(copies, h[row, None], tile, n, tile_elems, values)
-        thread_sum = thread_sum + pairwise_sum([values[j] * values[j] for j in range(per_thread)])
-    mean_square = block_sum(thread_sum) / n.to(cutlass.Float32)
-    row_rstd = cute.math.rsqrt(mean_square + eps, fastmath=True)
-    if thread == 0:
-        rstd[row] = row_rstd
-    source = h if cutlass.const_expr(fused) else x  # fused: read the stored stream back
-    for back in cutlass.range(tiles):
-        tile = tiles - 1 - back
-        load_tile(copies, source[row, None], tile, n, tile_elems, values)
-        load_tile(w_copies, w, tile, n, tile_elems, other)
-        for j in cutlass.range_constexpr(per_thread):
-            values[j] = values[j] * row_rstd * other[j]
-        store_tile(copies, y[row, None], tile, n, tile_elems, values)
+                values[j] = values[j] * row_rstd * other[j]
+            store_tile(copies, y[row, None], tile, n, tile_elems, values)
 
 
 @cute.kernel
@@ -257,12 +270,12 @@ def sum_partials_kernel(
     store_tile(f32_copies[1], dweight, tile, n, tile_elems, total)
 
 
-def tiled_copies(dtype, run, vectorized):
+def tiled_copies(dtype, run, vectorized, threads=THREADS_PER_BLOCK):
     """(tile copy, element copy) of one operand: thread t owns runs of `run` adjacent elements
-    (16 bytes of x's dtype), the 256 threads side by side, VECTORS_PER_THREAD runs each per
+    (16 bytes of x's dtype), the row's `threads` side by side, VECTORS_PER_THREAD runs each per
     tile. The tile copy moves 128 bits per access (a float32 run of 8: two), the element copy
     one element under its own predicate; both give a thread the same elements."""
-    thread_layout, value_layout = cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run)
+    thread_layout, value_layout = cute.make_layout(threads), cute.make_layout(run)
     bits = min(VECTOR_BYTES * 8, dtype.width * run) if vectorized else dtype.width
     tile_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
     element_atom = cute.make_copy_atom(
@@ -274,10 +287,16 @@ def tiled_copies(dtype, run, vectorized):
     )
 
 
-def tile_shape(x_width):
-    """(run, elements per thread per tile, elements per tile) for x's dtype width in bits."""
+def tile_shape(x_width, threads=THREADS_PER_BLOCK):
+    """(run, elements per thread per tile, elements per tile) for x's dtype width in bits and
+    `threads` per row."""
     run = VECTOR_BYTES * 8 // x_width
-    return run, VECTORS_PER_THREAD * run, THREADS_PER_BLOCK * VECTORS_PER_THREAD * run
+    return run, VECTORS_PER_THREAD * run, threads * VECTORS_PER_THREAD * run
+
+
+def forward_threads_per_row(n, dtype):
+    """A warp for rows of at most WARP_ROW_BYTES_MAX, else the block."""
+    return WARP_SIZE if n * dtype.itemsize <= WARP_ROW_BYTES_MAX else THREADS_PER_BLOCK
 
 
 @cute.jit
@@ -285,14 +304,18 @@ def launch_forward(
     x: cute.Tensor, res: cute.Tensor, w: cute.Tensor, y: cute.Tensor, rstd: cute.Tensor,
     h: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream,
     vectorized: cutlass.Constexpr[bool], fused: cutlass.Constexpr[bool],
+    threads_per_row: cutlass.Constexpr[int],
 ):  # fmt: skip
     m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
-    run, per_thread, tile_elems = tile_shape(x.element_type.width)
-    copies = tiled_copies(x.element_type, run, vectorized)
-    w_copies = tiled_copies(w.element_type, run, vectorized)
+    run, per_thread, tile_elems = tile_shape(x.element_type.width, threads_per_row)
+    copies = tiled_copies(x.element_type, run, vectorized, threads_per_row)
+    w_copies = tiled_copies(w.element_type, run, vectorized, threads_per_row)
+    rows_per_block = THREADS_PER_BLOCK // threads_per_row
     rmsnorm_forward_kernel(
-        x, res, w, y, rstd, h, n, eps, copies, w_copies, tile_elems, per_thread, fused
-    ).launch(grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+        x, res, w, y, rstd, h, m, n, eps, copies, w_copies, tile_elems, per_thread,
+        threads_per_row, fused,
+    ).launch(grid=[(m + rows_per_block - 1) // rows_per_block, 1, 1],
+             block=[THREADS_PER_BLOCK, 1, 1], stream=stream)  # fmt: skip
 
 
 @cute.jit
@@ -344,39 +367,43 @@ def statistic(m):
     )
 
 
-def build(direction, dtype, weight_dtype, vectorized, fused, options=""):
-    """cute.compile the forward (x, residual, w, y, rstd, h, eps) or backward (x, w, rstd, dy,
-    dresidual_out, dx, mean_dots, partials, dweight, rows_per_group) launcher for TVM-FFI calls
-    on torch tensors, on torch's current stream. The operands share symbolic M and N; each has
-    its own strides (TVM-FFI checks that operands sharing a symbol pass equal values)."""
+def build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, options=""):
+    """cute.compile the forward (x, residual, w, y, rstd, h, eps; `threads_per_row` a row) or
+    backward (x, w, rstd, dy, dresidual_out, dx, mean_dots, partials, dweight, rows_per_group;
+    a block a row) launcher for TVM-FFI calls on torch tensors, on torch's current stream. The
+    operands share symbolic M and N; each has its own strides (TVM-FFI checks that operands
+    sharing a symbol pass equal values)."""
     m, n = cute.sym_int64(), cute.sym_int64()
     rows = lambda: operand(dtype, (m, n), vectorized)  # noqa: E731
     w = lambda: operand(weight_dtype, (n,), vectorized)  # noqa: E731
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if direction == "forward":
         operands = (rows(), rows(), w(), rows(), statistic(m), rows(), 0.0)
-        launcher = launch_forward
+        launcher, constants = launch_forward, (vectorized, fused, threads_per_row)
     else:
         partials = operand(torch.float32, (cute.sym_int64(), n), vectorized)
         operands = (rows(), w(), statistic(m), rows(), rows(), rows(), statistic(m), partials,
                     w(), 1)  # fmt: skip
-        launcher = launch_backward
+        launcher, constants = launch_backward, (vectorized, fused)
     return cute.compile(
-        launcher, *operands, stream, vectorized, fused, options=f"--enable-tvm-ffi {options}"
+        launcher, *operands, stream, *constants, options=f"--enable-tvm-ffi {options}"
     )
 
 
 @functools.cache
-def compile_kernel(direction, dtype, weight_dtype, vectorized, fused):
+def compile_kernel(direction, dtype, weight_dtype, vectorized, fused,
+                   threads_per_row=THREADS_PER_BLOCK):  # fmt: skip
     """The compiled launcher, built once per specialisation and cached."""
-    return build(direction, dtype, weight_dtype, vectorized, fused).__tvm_ffi_object__()
+    built = build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row)
+    return built.__tvm_ffi_object__()
 
 
-def ptx_of(direction, dtype, vectorized, fused=False):
+def ptx_of(direction, dtype, vectorized, fused=False, threads_per_row=THREADS_PER_BLOCK):
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(direction, dtype, dtype, vectorized, fused, options).__ptx__
+        built = build(direction, dtype, dtype, vectorized, fused, threads_per_row, options)
+        return built.__ptx__
 
 
 def is_vector_friendly(t):
@@ -397,15 +424,23 @@ def groups_of(m, n, dtype):
     return rows_per_group, -(-m // rows_per_group)
 
 
-def forward_path(n, dtype):
-    """Roundings on a square's way into mean(h**2): the tile's pairwise tree, an add into the
-    thread's sum per tile, the 8 levels of block_sum, the division by n."""
-    _, per_thread, tile_elems = tile_shape(dtype.itemsize * 8)
-    levels = int(math.log2(per_thread)) + -(-n // tile_elems) + int(math.log2(THREADS_PER_BLOCK))
+def row_sum_path(n, dtype, threads):
+    """Roundings on a term's way into a row's mean: the tile's pairwise tree, an add into the
+    thread's sum per tile, log2(threads) levels across the row's threads (block_sum's 8, a
+    warp's 5), the division by n."""
+    _, per_thread, tile_elems = tile_shape(dtype.itemsize * 8, threads)
+    levels = int(math.log2(per_thread)) + -(-n // tile_elems) + int(math.log2(threads))
     return levels + 1
 
 
-backward_path = forward_path  # mean(g * xhat): the same tree
+def forward_path(n, dtype):
+    """mean(h**2)'s roundings, on the forward's map for n."""
+    return row_sum_path(n, dtype, forward_threads_per_row(n, dtype))
+
+
+def backward_path(n, dtype):
+    """mean(g * xhat)'s roundings: row_dots_kernel keeps a block per row."""
+    return row_sum_path(n, dtype, THREADS_PER_BLOCK)
 
 
 def dweight_path(m, n, dtype):
@@ -427,7 +462,8 @@ def rmsnorm_forward(x, weight, eps, y, rstd, residual=None, residual_out=None):
     (y_rows, y_copied), (rstd_vec, rstd_copied) = (as_rows(y, True), as_rows(rstd[..., None], True))
     h_rows, h_copied = as_rows(residual_out, True) if fused else (x_rows, False)
     vectorized = all(is_vector_friendly(t) for t in (x_rows, res_rows, weight, y_rows, h_rows))
-    kernel = compile_kernel("forward", x.dtype, weight.dtype, vectorized, fused)
+    threads_per_row = forward_threads_per_row(x_rows.shape[1], x.dtype)
+    kernel = compile_kernel("forward", x.dtype, weight.dtype, vectorized, fused, threads_per_row)
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
     kernel(x_rows, res_rows, weight, y_rows, rstd_vec.view(-1), h_rows, eps)
     for copied, target, source in ((y_copied, y, y_rows), (rstd_copied, rstd, rstd_vec),

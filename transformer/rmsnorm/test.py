@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # CuTe builds for the H200 without one
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import reference
 import torch_impl
@@ -797,6 +802,114 @@ def test_triton_long_rows_at_real_size():
     forward_then_backward("triton", x, random_weight(40000, torch.bfloat16), dy)
 
 
+def launch_cases():
+    """Forward and backward calls that change what Triton compiles for, one thing at a time:
+    the dtype, n (BLOCK_N), m = 1, a row stride off a multiple of 16, an address off 16 bytes,
+    a float32 weight, the fused residual, an int eps (passed as float32 like any float), rows
+    past the register limits (the looped forward, the dots and columns backward). The
+    stand-ins compute nothing."""
+
+    def both(x, weight=None, eps=EPS, fused=False):
+        weight = random_weight(x.shape[-1], x.dtype) if weight is None else weight
+        y, rstd = forward_outputs(x)
+        dy, dx, dweight = torch.randn_like(x), torch.empty_like(x), torch.empty_like(weight)
+        extra = (torch.randn_like(x), torch.empty_like(x)) if fused else ()
+        return lambda: (
+            triton_impl.rmsnorm_forward(x, weight, eps, y, rstd, *extra),
+            triton_impl.rmsnorm_backward(x, weight, rstd, dy, dx, dweight, *extra[:1]),
+        )
+
+    for dtype in DTYPES:
+        yield both(random_rows(4, 96, dtype))
+    yield both(random_rows(4, 1000, torch.float32))
+    yield both(random_rows(1, 96, torch.float32))
+    yield both(random_rows(4, 97, torch.float32)[:, :96])
+    yield both(torch.randn(4 * 96 + 1, device=DEVICE)[1:].view(4, 96))
+    yield both(random_rows(4, 96, torch.bfloat16), random_weight(96, torch.float32))
+    yield both(random_rows(4, 96, torch.bfloat16), fused=True)
+    yield both(random_rows(4, 96, torch.float32), eps=1)
+    yield both(random_rows(2, 40000, torch.bfloat16))
+
+
+# Each case: a forward, then the backward's rows kernel and partials sum (long rows: the dots,
+# columns and sum kernels). Some cases change nothing for some kernels (the backwards after the
+# strided and the misaligned x see contiguous, aligned operands; the int eps is the float32
+# case again): 26 keys in all.
+MIN_SPECIALISATIONS = 26
+
+# --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
+
+
+class CompiledStandIn:
+    """Stands in for the CompiledKernel Triton returns for one specialisation: run() records the
+    arguments a cached launch hands the GPU."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, kernel, specialised, launches):
+        self.kernel, self.specialised, self.launches = kernel, specialised, launches
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args):
+        self.launches.append((self, hooks_and_args[3:]))
+
+
+class KernelStandIn(JITFunction):
+    """A JITFunction whose kernel[grid](...) binds the arguments as Triton's sm_90 binder does
+    and records them instead of compiling; it returns a CompiledStandIn."""
+
+    def __init__(self, fn, launches):
+        super().__init__(fn)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(self.signature, self.params, backend)
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            bound, specialised, options = self.binder(*args, **constants)
+            self.launches.append((self, tuple(bound.values()), str(specialised) + str(options)))
+            return CompiledStandIn(self, str(specialised), self.launches)
+
+        return run
+
+
+def as_launched(values):
+    """Launch arguments as comparable values: a tensor by its dtype, layout and address modulo
+    16 (not the address: a scratch buffer is a fresh allocation at each call)."""
+    return [
+        (v.dtype, v.shape, v.stride(), v.data_ptr() % 16) if torch.is_tensor(v) else v
+        for v in values
+    ]
+
+
+def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
+    """Every kernel a stand-in, each case called twice: the second call takes the cached path
+    (no kernel[grid]) and hands the launcher exactly the arguments Triton bound in the first;
+    no specialisation goes through Triton twice, and every cached launch goes to a kernel
+    compiled for the specialisation of its own arguments: a new dtype, alignment, stride class,
+    size of 1 or constexpr is never served a stale kernel."""
+    launches = []
+    for name in dir(triton_impl):
+        if name.endswith("_kernel"):
+            kernel = getattr(triton_impl, name)
+            monkeypatch.setattr(triton_impl, name, KernelStandIn(kernel.fn, launches))
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda _: 7)
+    monkeypatch.setattr(triton_impl, "driver", SimpleNamespace(active=active))
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    for call in launch_cases():
+        start = len(launches)
+        call()
+        middle = len(launches)
+        call()
+        first, second = launches[start:middle], launches[middle:]
+        assert all(isinstance(launch[0], CompiledStandIn) for launch in second), "went to Triton"
+        assert [as_launched(f[1]) for f in first] == [as_launched(s[1]) for s in second]
+    through_triton = [(id(launch[0]), launch[2]) for launch in launches if len(launch) == 3]
+    assert len(set(through_triton)) == len(through_triton), "Triton compiled a key twice"
+    assert len(through_triton) >= MIN_SPECIALISATIONS
+    for compiled, args in (launch for launch in launches if len(launch) == 2):
+        assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
+
+
 # Builds every kernel for sm_90 as a launch at M = N = 1 specialises it: Triton compiles an int
 # argument equal to 1 in as the constant 1 (a constexpr), so n, m, the strides and the group
 # counts all arrive as constants, which the interpreter never shows. A child process: under
@@ -838,18 +951,43 @@ def test_triton_builds_with_every_int_one():
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
+# N = 1, 7, 1024, 2048, 4096: the forward's threads per row and forward_path's K (log2 V +
+# tiles + log2 threads + 1; V = 16 in bf16 and fp16, 8 in float32).
+CUTE_FORWARD_MAPS = {
+    torch.bfloat16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
+    torch.float16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
+    torch.float32: [(32, 10), (32, 10), (32, 13), (256, 13), (256, 14)],
+}
+
+
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cute_ptx(direction, dtype):
-    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
-    the any-stride build), block_sum's warp shuffles, div.rn for the means, and in the forward
-    the rsqrt.approx README.md's bound counts."""
-    vector = cute_impl.ptx_of(direction, dtype, vectorized=True, fused=True)
-    scalar = cute_impl.ptx_of(direction, dtype, vectorized=False)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_forward_map(dtype):
+    """Rows of at most WARP_ROW_BYTES_MAX a warp each, longer rows a block; forward_path counts
+    the tree of that map (backward_path: row_dots_kernel's block at every N)."""
+    for n, (threads, path) in zip([1, 7, 1024, 2048, 4096], CUTE_FORWARD_MAPS[dtype], strict=True):
+        assert cute_impl.forward_threads_per_row(n, dtype) == threads
+        assert cute_impl.forward_path(n, dtype) == path
+        assert cute_impl.backward_path(n, dtype) == cute_impl.row_sum_path(n, dtype, 256)
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("direction, threads", [("forward", 32), ("forward", 256),
+                                                ("backward", 256)])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(direction, threads, dtype):
+    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map):
+    128-bit loads and stores on the vector path (none in the any-stride build), warp shuffles,
+    div.rn for the means, no spills, in the forward the rsqrt.approx README.md's bound counts;
+    block_sum's one bar.sync where a block holds a row, none where a warp does."""
+    vector = cute_impl.ptx_of(direction, dtype, True, True, threads)
+    scalar = cute_impl.ptx_of(direction, dtype, False, False, threads)
+    for ptx in (vector, scalar):
+        assert "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx and "div.approx" not in ptx
+        assert ("bar.sync" in ptx) == (threads == 256)
+        assert "ld.local" not in ptx
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
-    assert "shfl.sync.bfly" in vector and "div.rn.f32" in vector and "div.approx" not in vector
     if direction == "forward":
         assert "rsqrt.approx.ftz.f32" in vector
 
@@ -949,7 +1087,9 @@ def test_stand_ins_match_reference():
 @gpu_only
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, n", [(4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)])
+@pytest.mark.parametrize(
+    "m, n", [(4099, 1024), (4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)]
+)
 def test_large_rows_against_float64(impl, dtype, m, n):
     fns = implementation(impl)
     x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)

@@ -30,6 +30,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from reference import as_rows, check_backward, check_forward
 from torch_impl import model_plumbing
@@ -294,6 +298,78 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
+def launch_with(kernel, grid, tensors, ints, constants):
+    """launch() of a kernel whose parameters are its tensors, then its ints (eps apart)."""
+    launch(kernel, grid, (*tensors, *ints), constants, specialisation(ints, tensors))
+
+
 def log2(power_of_two):
     return power_of_two.bit_length() - 1
 
@@ -315,9 +391,9 @@ def rows_launch(m, n, block_max):
 def groups_of(m, n):
     """(rows per group, groups) of the backward: rows in blocks of ROWS on the rows path (one
     on the columns path), at most GROUPS_MAX groups, or GROUPS_MAX per CHUNK columns."""
-    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
-    rows = launch[0] if launch else 1
-    groups_max = GROUPS_MAX if launch else max(GROUPS_MAX // -(-n // CHUNK), 1)
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    rows = tile[0] if tile else 1
+    groups_max = GROUPS_MAX if tile else max(GROUPS_MAX // -(-n // CHUNK), 1)
     blocks = -(-m // rows)
     rows_per_group = -(-blocks // min(blocks, groups_max)) * rows
     return rows_per_group, -(-m // rows_per_group)
@@ -327,15 +403,15 @@ def forward_path(n, dtype):
     """(dtype: the same counts for every dtype here.) Roundings on a square's way into
     mean(h**2): log2(BLOCK_N) tree levels, or one add per later chunk and log2(CHUNK) levels;
     then the division by n."""
-    launch = rows_launch(1, n, ROW_BLOCK_MAX)
-    levels = log2(launch[1]) if launch else -(-n // CHUNK) - 1 + log2(CHUNK)
+    tile = rows_launch(1, n, ROW_BLOCK_MAX)
+    levels = log2(tile[1]) if tile else -(-n // CHUNK) - 1 + log2(CHUNK)
     return levels + 1
 
 
 def backward_path(n, dtype):
     """The same for a product g_j xhat_j's way into mean(g * xhat)."""
-    launch = rows_launch(1, n, BACKWARD_ROW_BLOCK_MAX)
-    levels = log2(launch[1]) if launch else -(-n // CHUNK) - 1 + log2(CHUNK)
+    tile = rows_launch(1, n, BACKWARD_ROW_BLOCK_MAX)
+    levels = log2(tile[1]) if tile else -(-n // CHUNK) - 1 + log2(CHUNK)
     return levels + 1
 
 
@@ -343,8 +419,8 @@ def dweight_path(m, n, dtype):
     """Additions on a term dy xhat's way into dweight: tl.sum over ROWS rows (any order: ROWS
     - 1), the add into the group's row per step, then log2 of the padded group count."""
     rows_per_group, groups = groups_of(max(m, 1), n)
-    launch = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
-    rows = launch[0] if launch else 1
+    tile = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
+    rows = tile[0] if tile else 1
     return rows - 1 + rows_per_group // rows + (groups - 1).bit_length()
 
 
@@ -373,21 +449,22 @@ def rmsnorm_forward(x, weight, eps, y, rstd, residual=None, residual_out=None):
                                                                              x_strides)  # fmt: skip
     y_rows, y_copied, y_strides = rows_of(y, True)
     rstd_vec, rstd_copied, rstd_stride = rstd_rows(rstd)
-    (m, n), launch = x_rows.shape, rows_launch(*x_rows.shape, ROW_BLOCK_MAX)
-    pointers = (x_rows, res_rows, weight, y_rows, rstd_vec, h_rows)
+    (m, n), tile = x_rows.shape, rows_launch(*x_rows.shape, ROW_BLOCK_MAX)
+    tensors = (x_rows, res_rows, weight, y_rows, rstd_vec, h_rows)
     strides = (*x_strides, *res_strides, weight.stride(0), *y_strides, *h_strides, rstd_stride)
+    if tile is not None:
+        rows, block_n, num_warps = tile
+        kernel, grid, sizes = rmsnorm_forward_rows_kernel, (-(-m // rows),), (m, n)
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": log2(block_n)}
+    else:
+        kernel, grid, sizes, num_warps = rmsnorm_forward_looped_kernel, (m,), (n,), CHUNK_WARPS
+        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": log2(CHUNK)}
+    # float(eps): Triton would compile an int eps in as an integer (1 as a constant), which
+    # specialisation() does not cover; a float is always passed as float32.
+    args = (*tensors, *sizes, float(eps), *strides)
+    constants = {**constants, "FUSED": fused, "num_warps": num_warps}
     with device:
-        if launch is not None:
-            rows, block_n, num_warps = launch
-            rmsnorm_forward_rows_kernel[(-(-m // rows),)](
-                *pointers, m, n, eps, *strides, ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=log2(block_n), FUSED=fused, num_warps=num_warps,
-            )  # fmt: skip
-        else:
-            rmsnorm_forward_looped_kernel[(m,)](
-                *pointers, n, eps, *strides, CHUNK=CHUNK, LOG2_CHUNK=log2(CHUNK), FUSED=fused,
-                num_warps=CHUNK_WARPS,
-            )  # fmt: skip
+        launch(kernel, grid, args, constants, specialisation((*sizes, *strides), tensors))
     for copied, target, source in ((y_copied, y, y_rows), (rstd_copied, rstd, rstd_vec),
                                    (h_copied, residual_out, h_rows)):  # fmt: skip
         if copied:
@@ -410,32 +487,34 @@ def rmsnorm_backward(x, weight, rstd, dy, dx, dweight, dresidual_out=None):
     (m, n) = x_rows.shape
     rows_per_group, groups = groups_of(m, n)
     partials = torch.empty(groups, n, device=x.device, dtype=torch.float32)
-    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    tensors = (x_rows, weight, rstd_vec, dy_rows, dres_rows, dx_rows)
+    strides = (*x_strides, weight.stride(0), rstd_stride, *dy_strides, *dres_strides, *dx_strides)
     with device:
-        if launch is not None:
-            rows, block_n, num_warps = launch
-            rmsnorm_backward_rows_kernel[(groups,)](
-                x_rows, weight, rstd_vec, dy_rows, dres_rows, dx_rows, partials, m, n,
-                rows_per_group, *x_strides, weight.stride(0), rstd_stride, *dy_strides,
-                *dres_strides, *dx_strides, ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=log2(block_n), FUSED=fused, num_warps=num_warps,
+        if tile is not None:
+            rows, block_n, num_warps = tile
+            constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": log2(block_n),
+                         "FUSED": fused, "num_warps": num_warps}  # fmt: skip
+            launch_with(
+                rmsnorm_backward_rows_kernel, (groups,), (*tensors, partials),
+                (m, n, rows_per_group, *strides), constants,
             )  # fmt: skip
         else:
             mean_dots = torch.empty(m, device=x.device, dtype=torch.float32)
-            rmsnorm_row_dots_kernel[(m,)](
-                x_rows, weight, rstd_vec, dy_rows, mean_dots, n, *x_strides, weight.stride(0),
-                rstd_stride, *dy_strides, CHUNK=CHUNK, LOG2_CHUNK=log2(CHUNK),
-                num_warps=CHUNK_WARPS,
+            launch_with(
+                rmsnorm_row_dots_kernel, (m,), (*tensors[:4], mean_dots), (n, *strides[:6]),
+                {"CHUNK": CHUNK, "LOG2_CHUNK": log2(CHUNK), "num_warps": CHUNK_WARPS},
             )  # fmt: skip
-            rmsnorm_backward_columns_kernel[(groups, -(-n // CHUNK))](
-                x_rows, weight, rstd_vec, dy_rows, dres_rows, dx_rows, mean_dots, partials, m, n,
-                rows_per_group, *x_strides, weight.stride(0), rstd_stride, *dy_strides,
-                *dres_strides, *dx_strides, CHUNK=CHUNK, FUSED=fused, num_warps=CHUNK_WARPS,
+            launch_with(
+                rmsnorm_backward_columns_kernel, (groups, -(-n // CHUNK)),
+                (*tensors, mean_dots, partials), (m, n, rows_per_group, *strides),
+                {"CHUNK": CHUNK, "FUSED": fused, "num_warps": CHUNK_WARPS},
             )  # fmt: skip
         groups_pow2 = 1 << (groups - 1).bit_length()
-        sum_partials_kernel[(-(-n // SUM_BLOCK_N),)](
-            partials, dweight, groups, n, dweight.stride(0), GROUPS_POW2=groups_pow2,
-            LOG2_GROUPS=log2(groups_pow2), BLOCK_N=SUM_BLOCK_N, num_warps=4,
+        launch_with(
+            sum_partials_kernel, (-(-n // SUM_BLOCK_N),), (partials, dweight),
+            (groups, n, dweight.stride(0)), {"GROUPS_POW2": groups_pow2,
+            "LOG2_GROUPS": log2(groups_pow2), "BLOCK_N": SUM_BLOCK_N, "num_warps": 4},
         )  # fmt: skip
     if dx_copied:
         dx.copy_(dx_rows.view(dx.shape))

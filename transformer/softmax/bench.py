@@ -5,10 +5,13 @@
 
 Minimal traffic: the forward reads x and writes y (2MN elements); the backward reads y and dy
 and writes dx (3MN), so fwd+bwd counts 5MN. Times are medians over ROUNDS rounds of
-`triton.testing.do_bench` (the L2 cache flushed before each call), the implementations in a
-rotated order each round (the clock follows power and temperature, so a fixed order favours
-whichever runs first). Ceilings of the same run: a 1 GiB device-to-device copy, and the per-call
-floors (torch's `y.copy_(x)` and a bare Triton launch on 4096 elements). The library op is
+`triton.testing.do_bench` (the L2 cache flushed before each call) of each pass captured in a
+CUDA graph and replayed: the kernels' time (timed call by call, fwd+bwd was host-bound wherever
+its GPU work was under ~0.5 ms; the per-call rows measure the host). A call that cannot be
+captured is timed eagerly, and its row's `timing` says why. Each round runs the implementations
+in a rotated order (the clock follows power and temperature, so a fixed order favours whichever
+runs first). Ceilings of the same run: a 1 GiB device-to-device copy, and the per-call floors
+(torch's `y.copy_(x)` and a bare Triton launch on 4096 elements). The library op is
 torch.softmax (fwd+bwd: its autograd). Where CuTe's step 2 (the cluster forward) takes a shape,
 step 1 (two passes) is timed beside it as `cute.step1`. Anchors, when importable: torch.compile
 of torch.softmax (inductor's fused kernel; its result checked first), Liger's and QuACK's
@@ -86,6 +89,28 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
+def graph_ms(fn):
+    """(median ms, timing) of fn, replayed as one captured CUDA graph: the figure is the
+    kernels' time. Timed call by call, a pass whose host work (Python, the autograd engine)
+    outlasts its kernels would time the host, which the per-call rows measure on their own. A
+    call that waits on the host (it reads a value) cannot be captured: timed eagerly, it says why.
+    """
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up (compiles, autotunes, allocates) and capture on one side stream: autograd runs a
+    # backward op on its forward's stream, and leaving the block restores the caller's stream
+    # even when a failed capture skips torch.cuda.graph's own restore.
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:  # fn ran eagerly just above: this is the capture's refusal
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
 def copy_ceiling_gbps():
     source = torch.randn(2**28, device="cuda")
     target = torch.empty_like(source)
@@ -118,19 +143,21 @@ def wall_us(fn):
 
 
 def timed_passes(forward, x, dy):
-    """(fwd ms, fwd+bwd ms) of a differentiable forward; the anchor must agree with torch."""
+    """((fwd ms, fwd+bwd ms), their timings) of a differentiable forward; the anchor must
+    agree with torch."""
     x_grad = x.detach().requires_grad_()
     expected = torch.softmax(x.float(), -1)
     got = forward(x).float()
     if not torch.allclose(got, expected, atol=1e-2, rtol=0):  # a sanity check, not the bound
         raise RuntimeError(f"wrong result (largest error {(got - expected).abs().max():.3g})")
-    fwd = median_ms(lambda: forward(x))
+    fwd = graph_ms(lambda: forward(x))
 
     def forward_backward():
         x_grad.grad = None
         forward(x_grad).backward(dy)
 
-    return fwd, median_ms(forward_backward)
+    both = graph_ms(forward_backward)
+    return (fwd[0], both[0]), (fwd[1], both[1])
 
 
 def per_call_rows(impls, dtype):
@@ -167,21 +194,24 @@ def shape_rows(impls, dtype, shape, ceiling):
                       f"{str(error)[:80]})")  # fmt: skip
                 del samples[name]
     times = {
-        name: tuple(statistics.median(t[i] for t in runs) for i in range(2))
+        name: tuple(statistics.median(ms[i] for ms, _ in runs) for i in range(2))
         for name, runs in samples.items()
     }
+    timings = {name: runs[0][1] for name, runs in samples.items()}
     rows = []
     for name, (fwd_ms, both_ms) in times.items():
         for pass_name, ms, elements in (("fwd", fwd_ms, 2), ("fwd+bwd", both_ms, 5)):
             gbps = elements * m * n * x.element_size() / ms / 1e6
             library = times.get("library", (None, None))[pass_name == "fwd+bwd"]
+            timing = timings[name][pass_name == "fwd+bwd"]
             rows.append(
                 {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:], "shape": [m, n],
                  "ms": ms, "GBps": gbps, "TFLOPs": None, "pct_of_ceiling": 100 * gbps / ceiling,
-                 "vs_library": library / ms if library else None}
+                 "vs_library": library / ms if library else None,
+                 "timing": timing}
             )  # fmt: skip
             print(f"{name:10s} {str(dtype)[6:]:9s} {m}x{n} {pass_name:7s} {ms * 1e3:9.1f} us "
-                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy")  # fmt: skip
+                  f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
 

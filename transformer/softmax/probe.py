@@ -81,7 +81,7 @@ def run_bench():
 
     results = bench.main(quick=True)
     return [
-        {k: row[k] for k in ("impl", "pass", "dtype", "shape", "ms", "pct_of_ceiling")}
+        {k: row[k] for k in ("impl", "pass", "dtype", "shape", "ms", "pct_of_ceiling", "timing")}
         for row in results["rows"]
     ] + [{"copy_GBps": results["ceilings"]["copy_GBps"]}]
 

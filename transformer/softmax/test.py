@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # CuTe builds for the H200 without one
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import reference
 import torch_impl
@@ -491,15 +496,113 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
 
 def test_triton_dispatch():
     """Rows up to ROW_BLOCK_MAX go to the rows kernel, several short rows per program."""
-    assert triton_impl.rows_launch(1000, 1, 32768)[1:3] == (1024, 1)
-    assert triton_impl.rows_launch(3, 100, 32768)[1] == 4  # never more rows than m needs
-    assert triton_impl.rows_launch(8, 32768, 32768)[1:] == (1, 32768, 32)
+    grid, constants = triton_impl.rows_launch(1000, 1, 32768)
+    assert grid == (1,) and (constants["ROWS"], constants["BLOCK_N"]) == (1024, 1)
+    assert triton_impl.rows_launch(3, 100, 32768)[1]["ROWS"] == 4  # never more than m needs
+    grid, constants = triton_impl.rows_launch(8, 32768, 32768)
+    assert grid == (8,) and (constants["ROWS"], constants["BLOCK_N"]) == (1, 32768)
+    assert constants["num_warps"] == 32
     assert triton_impl.rows_launch(8, 32769, 32768) is None
 
 
 def test_triton_looped_at_real_size():
     """N = 40000 > ROW_BLOCK_MAX at the real constants: 10 chunks of 4096 lanes."""
     forward_then_backward("triton", *(random_rows(2, 40000, torch.bfloat16) for _ in "xy"))
+
+
+def launch_cases():
+    """Forward and backward calls that change what Triton compiles for, one thing at a time:
+    the dtype, n (BLOCK_N), m = 1, a row stride off a multiple of 16, an address off 16 bytes,
+    rows past ROW_BLOCK_MAX (the looped kernels). The stand-ins compute nothing."""
+
+    def both(x):
+        y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
+        return lambda: (triton_impl.softmax_forward(x, y), triton_impl.softmax_backward(y, dy, dx))
+
+    for dtype in DTYPES:
+        yield both(random_rows(4, 96, dtype))
+    yield both(random_rows(4, 1000, torch.float32))
+    yield both(random_rows(1, 96, torch.float32))
+    yield both(random_rows(4, 97, torch.float32)[:, :96])
+    yield both(torch.randn(4 * 96 + 1, device=DEVICE)[1:].view(4, 96))
+    yield both(random_rows(2, 40000, torch.bfloat16))
+
+
+# 8 cases of two launches; the backwards after the strided and the misaligned x see only
+# contiguous, aligned operands (empty_like), as the float32 case's does.
+MIN_SPECIALISATIONS = 14
+
+# --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
+
+
+class CompiledStandIn:
+    """Stands in for the CompiledKernel Triton returns for one specialisation: run() records the
+    arguments a cached launch hands the GPU."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, kernel, specialised, launches):
+        self.kernel, self.specialised, self.launches = kernel, specialised, launches
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args):
+        self.launches.append((self, hooks_and_args[3:]))
+
+
+class KernelStandIn(JITFunction):
+    """A JITFunction whose kernel[grid](...) binds the arguments as Triton's sm_90 binder does
+    and records them instead of compiling; it returns a CompiledStandIn."""
+
+    def __init__(self, fn, launches):
+        super().__init__(fn)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(self.signature, self.params, backend)
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def run(*args, **constants):
+            bound, specialised, options = self.binder(*args, **constants)
+            self.launches.append((self, tuple(bound.values()), str(specialised) + str(options)))
+            return CompiledStandIn(self, str(specialised), self.launches)
+
+        return run
+
+
+def as_launched(values):
+    """Launch arguments as comparable values: a tensor by its dtype, layout and address modulo
+    16 (not the address: a scratch buffer is a fresh allocation at each call)."""
+    return [
+        (v.dtype, v.shape, v.stride(), v.data_ptr() % 16) if torch.is_tensor(v) else v
+        for v in values
+    ]
+
+
+def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
+    """Every kernel a stand-in, each case called twice: the second call takes the cached path
+    (no kernel[grid]) and hands the launcher exactly the arguments Triton bound in the first;
+    no specialisation goes through Triton twice, and every cached launch goes to a kernel
+    compiled for the specialisation of its own arguments: a new dtype, alignment, stride class,
+    size of 1 or constexpr is never served a stale kernel."""
+    launches = []
+    for name in dir(triton_impl):
+        if name.endswith("_kernel"):
+            kernel = getattr(triton_impl, name)
+            monkeypatch.setattr(triton_impl, name, KernelStandIn(kernel.fn, launches))
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda _: 7)
+    monkeypatch.setattr(triton_impl, "driver", SimpleNamespace(active=active))
+    monkeypatch.setattr(triton_impl, "COMPILED", {})
+    for call in launch_cases():
+        start = len(launches)
+        call()
+        middle = len(launches)
+        call()
+        first, second = launches[start:middle], launches[middle:]
+        assert all(isinstance(launch[0], CompiledStandIn) for launch in second), "went to Triton"
+        assert [as_launched(f[1]) for f in first] == [as_launched(s[1]) for s in second]
+    through_triton = [(id(launch[0]), launch[2]) for launch in launches if len(launch) == 3]
+    assert len(set(through_triton)) == len(through_triton), "Triton compiled a key twice"
+    assert len(through_triton) >= MIN_SPECIALISATIONS
+    for compiled, args in (launch for launch in launches if len(launch) == 2):
+        assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------

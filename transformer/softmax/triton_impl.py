@@ -20,16 +20,20 @@ roundings each term meets (`forward_path`, `backward_path` export the counts).
 """
 
 import contextlib
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from reference import SoftmaxModule, as_rows, check_backward, check_forward
 from torch_impl import autograd_function, traceable_softmax
 
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(v) = exp2(v * log2 e); rounded to float32
 # The longest row held in registers: 32768 elements over 32 warps is 32 float32 values per
 # thread. Longer rows stream through CHUNK lanes twice.
 ROW_BLOCK_MAX = 32768
@@ -56,8 +60,9 @@ def pairwise_sum(values, LEVELS: tl.constexpr):
 def exp_shifted(x, shift):
     """exp(x - shift) as exp2((x - shift) * log2 e): subtract first, so the argument is exact
     up to a rounding relative to |x - shift| (with 1e4-sized logits, x*log2e - shift*log2e
-    would carry an absolute error of 1e4 * 2**-24 into every term)."""
-    return tl.exp2((x - shift) * LOG2E)
+    would carry an absolute error of 1e4 * 2**-24 into every term). log2 e is a literal, rounded
+    to float32, not a global: `launch` sends a kernel that reads globals through Triton's path."""
+    return tl.exp2((x - shift) * 1.4426950408889634)
 
 
 @triton.jit
@@ -207,16 +212,92 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
+@functools.cache
 def rows_launch(m, n, block_max):
-    """(grid, rows per program, BLOCK_N, num_warps) of the rows kernels, None past
-    block_max: BLOCK_N is n's next power of two, ROWS packs short rows (never more than m)
-    so a program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
+    """(grid, constants) of the rows kernels, None past block_max: BLOCK_N is n's next power
+    of two, ROWS packs short rows (never more than m) so a program has PROGRAM_ELEMS_MIN
+    elements, and ELEMS_PER_THREAD sets the warps. Cached: a model calls a few shapes over and
+    over, and the constants are a dict `launch` only reads."""
     block_n = 1 << (n - 1).bit_length()
     if block_n > block_max:
         return None
     rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
     num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
-    return ((m + rows - 1) // rows,), rows, block_n, num_warps
+    constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+    return ((m + rows - 1) // rows,), {**constants, "num_warps": num_warps}
+
+
+def looped_constants():
+    """The looped kernels' constants (rows this long run for tens of microseconds: a dict a
+    call costs nothing that shows)."""
+    return {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1, "num_warps": CHUNK_WARPS}
 
 
 def forward_path(n, dtype):
@@ -248,19 +329,16 @@ def softmax_forward(x, y):
         return y
     (x_rows, _), (y_rows, copied) = as_rows(x), as_rows(y, for_output=True)
     (m, n), layout = x_rows.shape, (*x_rows.stride(), *y_rows.stride())
-    launch = rows_launch(m, n, ROW_BLOCK_MAX)
+    rows = rows_launch(m, n, ROW_BLOCK_MAX)
     with device:
-        if launch is not None:
-            grid, rows, block_n, num_warps = launch
-            softmax_forward_rows_kernel[grid](
-                x_rows, y_rows, m, n, *layout, ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, num_warps=num_warps,
-            )  # fmt: skip
+        if rows is not None:
+            ints = (m, n, *layout)
+            kernel, (grid, constants) = softmax_forward_rows_kernel, rows
         else:
-            softmax_forward_looped_kernel[(m,)](
-                x_rows, y_rows, n, *layout, CHUNK=CHUNK, LOG2_CHUNK=CHUNK.bit_length() - 1,
-                num_warps=CHUNK_WARPS,
-            )  # fmt: skip
+            ints = (n, *layout)
+            kernel, grid, constants = softmax_forward_looped_kernel, (m,), looped_constants()
+        tensors = (x_rows, y_rows)
+        launch(kernel, grid, (*tensors, *ints), constants, specialisation(ints, tensors))
     if copied:
         y.copy_(y_rows.view(y.shape))
     return y
@@ -274,19 +352,16 @@ def softmax_backward(y, dy, dx):
     (y_rows, _), (dy_rows, _) = as_rows(y), as_rows(dy)
     dx_rows, copied = as_rows(dx, for_output=True)
     (m, n), layout = y_rows.shape, (*y_rows.stride(), *dy_rows.stride(), *dx_rows.stride())
-    launch = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
+    rows = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
     with device:
-        if launch is not None:
-            grid, rows, block_n, num_warps = launch
-            softmax_backward_rows_kernel[grid](
-                y_rows, dy_rows, dx_rows, m, n, *layout, ROWS=rows, BLOCK_N=block_n,
-                LOG2_BLOCK_N=block_n.bit_length() - 1, num_warps=num_warps,
-            )  # fmt: skip
+        if rows is not None:
+            ints = (m, n, *layout)
+            kernel, (grid, constants) = softmax_backward_rows_kernel, rows
         else:
-            softmax_backward_looped_kernel[(m,)](
-                y_rows, dy_rows, dx_rows, n, *layout, CHUNK=CHUNK,
-                LOG2_CHUNK=CHUNK.bit_length() - 1, num_warps=CHUNK_WARPS,
-            )  # fmt: skip
+            ints = (n, *layout)
+            kernel, grid, constants = softmax_backward_looped_kernel, (m,), looped_constants()
+        tensors = (y_rows, dy_rows, dx_rows)
+        launch(kernel, grid, (*tensors, *ints), constants, specialisation(ints, tensors))
     if copied:
         dx.copy_(dx_rows.view(dx.shape))
     return dx

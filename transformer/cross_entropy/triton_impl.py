@@ -1,0 +1,263 @@
+"""cross-entropy forward and backward as Triton kernels, one program per row.
+
+    lse = m + log sum_j exp(x_j - m)     loss = lse - x_t + eps (x_t - mean_j x_j)
+    dx_j = dloss (exp(x_j - lse) - q_j),   q_j = (1 - eps) [j = t] + eps / V
+
+A row of a vocabulary (V up to 262144) does not fit in registers, so
+`cross_entropy_forward_kernel` streams it once in chunks of CHUNK lanes, lane j keeping an online
+max and sum of exp (and, with label smoothing, the sum of the logits), combines the lanes in a
+fixed tree, and writes the row's float32 loss and lse: MN elements read, the minimum.
+`cross_entropy_backward_kernel` reads the row again with the saved lse and writes dx, in place
+over the logits when asked: 2MN more. `reduce_loss` sums the M losses in one program over a
+fixed tree (`loss_sum_kernel`), so the mean has the same bits every run (no atomics).
+
+exp(v) runs as exp2(v log2 e) (ex2.approx.ftz.f32), log(S) as log2(S) ln 2 (libdevice's
+log2f, within 1 ulp: once a row, so the accurate one); README.md's bound uses both errors
+and the rounding counts `forward_path` and `reduction_path` export.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import check_backward, check_forward, check_reduction
+from torch_impl import CrossEntropyLossModule, autograd_function, traceable_cross_entropy
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(v) = exp2(v log2 e); rounded to float32
+LN2 = tl.constexpr(0.6931471805599453)  # log(S) = log2(S) ln 2
+# A chunk of 4096 float32 lanes over 8 warps is 16 values per thread for each lane statistic
+# (max, sum, and the smoothing's sum of x): four 16-byte loads in flight, no spills.
+CHUNK = 4096
+CHUNK_WARPS = 8
+SUM_CHUNK = 1024  # lanes of the loss sum: the M losses are read once by one program
+
+
+@triton.jit
+def pairwise_sum(values, LEVELS: tl.constexpr):
+    """The sums of the rows of a [ROWS, 2**LEVELS] float32 block: add neighbours in pairs,
+    LEVELS times, so each value passes through exactly LEVELS additions on the GPU and in the
+    interpreter alike (tl.sum of a whole row would leave the tree to the compiler)."""
+    for _ in tl.static_range(LEVELS):
+        values = tl.sum(tl.reshape(values, [values.shape[0], values.shape[1] // 2, 2]), axis=2)
+    return tl.sum(values, axis=1)  # one value per row is left: this adds nothing
+
+
+@triton.jit
+def exp_shifted(x, shift):
+    """exp(x - shift) as exp2((x - shift) log2 e): subtract first, so the argument is exact up
+    to a rounding relative to |x - shift|, whatever the size of x."""
+    return tl.exp2((x - shift) * LOG2E)
+
+
+@triton.jit
+def finite_shift(row_max):
+    """The shift for exp: the max, or 0 where the max is -inf (every logit so far masked): then
+    exp(-inf - 0) = 0, and a row of -inf ends with log 0 = -inf, as the definition says."""
+    return tl.where(row_max == float("-inf"), 0.0, row_max)
+
+
+@triton.jit
+def cross_entropy_forward_kernel(
+    x_ptr, target_ptr, loss_ptr, lse_ptr, n, stride_xm, stride_xn, stride_loss, stride_lse,
+    ignore_index, label_smoothing, inverse_n,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, SMOOTHING: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: M V passes 2**31 at a vocabulary
+    x_row = x_ptr + row * stride_xm
+    offs = tl.arange(0, CHUNK).to(tl.int64)
+    # Lane j keeps the max and the sum of exp(x - max) of the elements it has seen; a new max
+    # rescales the lane's sum by exp(old max - new max). Lanes past n read -inf: they add 0.
+    lane_max = tl.full([CHUNK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([CHUNK], tl.float32)
+    lane_total = tl.zeros([CHUNK], tl.float32)  # the sum of x, for label smoothing's mean
+    for chunk in range(0, tl.cdiv(n, CHUNK)):
+        cols = chunk * CHUNK + offs
+        x = tl.load(x_row + cols * stride_xn, mask=cols < n, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        shift = finite_shift(new_max)
+        lane_sum = lane_sum * exp_shifted(lane_max, shift) + exp_shifted(x, shift)
+        lane_max = new_max
+        if SMOOTHING:
+            lane_total += tl.where(cols < n, x, 0.0)
+    shift = finite_shift(tl.max(lane_max, axis=0))
+    rescaled = lane_sum * exp_shifted(lane_max, shift)
+    total_exp = tl.sum(pairwise_sum(rescaled[None, :], LOG2_CHUNK), axis=0)
+    lse = shift + tl.log2(total_exp) * LN2
+    target = tl.load(target_ptr + row)
+    kept = target != ignore_index
+    # The target's logit, one more load of a line this program has just read (an ignored
+    # row reads column 0 instead of its out-of-range target).
+    target_logit = tl.load(x_row + tl.where(kept, target, 0) * stride_xn).to(tl.float32)
+    loss = lse - target_logit
+    if SMOOTHING:
+        mean = tl.sum(pairwise_sum(lane_total[None, :], LOG2_CHUNK), axis=0) * inverse_n
+        loss += label_smoothing * (target_logit - mean)
+    tl.store(loss_ptr + row * stride_loss, tl.where(kept, loss, 0.0))
+    tl.store(lse_ptr + row * stride_lse, lse)
+
+
+@triton.jit
+def cross_entropy_backward_kernel(
+    x_ptr, target_ptr, lse_ptr, dloss_ptr, dx_ptr, n, stride_xm, stride_xn, stride_lse,
+    stride_dloss, stride_dxm, stride_dxn, ignore_index, smooth_weight, target_weight,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row, dx_row = x_ptr + row * stride_xm, dx_ptr + row * stride_dxm
+    target = tl.load(target_ptr + row)
+    kept = target != ignore_index
+    lse = tl.load(lse_ptr + row * stride_lse)
+    dloss = tl.load(dloss_ptr + row * stride_dloss)
+    offs = tl.arange(0, CHUNK).to(tl.int64)
+    # Each chunk is read before it is written, by this program alone: dx may be x itself.
+    for chunk in range(0, tl.cdiv(n, CHUNK)):
+        cols = chunk * CHUNK + offs
+        x = tl.load(x_row + cols * stride_xn, mask=cols < n, other=0.0).to(tl.float32)
+        q = tl.where(cols == target, target_weight, smooth_weight)
+        # An ignored row writes exact zeros (its dloss may be 1/0 when every row is ignored).
+        dx = tl.where(kept, (exp_shifted(x, lse) - q) * dloss, 0.0)
+        tl.store(dx_row + cols * stride_dxn, dx.to(dx_ptr.dtype.element_ty), mask=cols < n)
+
+
+@triton.jit
+def loss_sum_kernel(loss_ptr, total_ptr, m, stride, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK).to(tl.int64)
+    lanes = tl.zeros([CHUNK], tl.float32)
+    for chunk in range(0, tl.cdiv(m, CHUNK)):
+        rows = chunk * CHUNK + offs
+        lanes += tl.load(loss_ptr + rows * stride, mask=rows < m, other=0.0)
+    tl.store(total_ptr, tl.sum(pairwise_sum(lanes[None, :], LOG2_CHUNK), axis=0))
+
+
+# Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch_triton_interpreter():
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes (see dot/triton_impl.py):
+    numpy 2.4 refuses int() of a one-element array, which .item() does, and the interpreter's
+    float32 <-> bfloat16 conversions truncate, which torch's exact conversions replace."""
+    import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, convert = interpreter._patch_lang_tensor, interpreter._convert_float
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._patch_lang_tensor, interpreter._convert_float = patch_with_item, exact
+
+
+if INTERPRETED:
+    patch_triton_interpreter()
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU made current when it is not (the CPU under the interpreter)."""
+    if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
+        return torch.cuda.device(t.device)
+    if INTERPRETED:
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def chunk_for(n):
+    """The row chunk: CHUNK, or n's next power of two for shorter rows."""
+    return min(CHUNK, 1 << (n - 1).bit_length())
+
+
+def forward_path(n):
+    """What README.md's bound counts on a term's way into the row's sum of exp: (exp2
+    evaluations, float32 roundings after the exp): its own exp, a rescale per later chunk and
+    one at the lane combine; per later chunk a multiply and an add, the combine's multiply,
+    then log2(chunk) levels of the tree. The smoothing's sum of x meets chunks - 1 + log2(chunk)
+    additions (`tree_additions`)."""
+    chunk = chunk_for(n)
+    chunks = -(-n // chunk)
+    return chunks + 1, 2 * (chunks - 1) + 1 + chunk.bit_length() - 1
+
+
+def tree_additions(n, chunk):
+    """Additions on a value's way into a lanes-then-tree sum of n values over chunk lanes."""
+    return -(-n // chunk) - 1 + chunk.bit_length() - 1
+
+
+def reduction_path(m):
+    """Additions on a row loss's way into the sum over rows."""
+    return tree_additions(m, SUM_CHUNK)
+
+
+def cross_entropy_forward(logits, target, ignore_index, label_smoothing, loss, lse):
+    check_forward(logits, target, ignore_index, label_smoothing, loss, lse)
+    device = on_device_of(logits)
+    (m, n), chunk = logits.shape, chunk_for(logits.shape[1])
+    if m == 0:
+        return loss, lse
+    with device:
+        cross_entropy_forward_kernel[(m,)](
+            logits, target, loss, lse, n, *logits.stride(), loss.stride(0), lse.stride(0),
+            ignore_index, label_smoothing, 1.0 / n, CHUNK=chunk,
+            LOG2_CHUNK=chunk.bit_length() - 1, SMOOTHING=label_smoothing != 0,
+            num_warps=CHUNK_WARPS,
+        )  # fmt: skip
+    return loss, lse
+
+
+def cross_entropy_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dlogits):
+    check_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dlogits)
+    device = on_device_of(logits)
+    m, n = logits.shape
+    if m == 0:
+        return dlogits
+    # q's two values, each rounded once to float32 by the launch.
+    smooth_weight = label_smoothing / n
+    with device:
+        cross_entropy_backward_kernel[(m,)](
+            logits, target, lse, dloss, dlogits, n, *logits.stride(), lse.stride(0),
+            dloss.stride(0), *dlogits.stride(), ignore_index, smooth_weight,
+            1.0 - label_smoothing + smooth_weight, CHUNK=chunk_for(n), num_warps=CHUNK_WARPS,
+        )  # fmt: skip
+    return dlogits
+
+
+def reduce_loss(loss, target, ignore_index, reduction):
+    check_reduction(loss, target, ignore_index, reduction)
+    if reduction == "none":
+        return loss
+    total = torch.zeros((), dtype=torch.float32, device=loss.device)
+    if loss.shape[0]:
+        with on_device_of(loss):
+            loss_sum_kernel[(1,)](
+                loss, total, loss.shape[0], loss.stride(0), CHUNK=SUM_CHUNK,
+                LOG2_CHUNK=SUM_CHUNK.bit_length() - 1,
+            )  # fmt: skip
+    return total if reduction == "sum" else total / (target != ignore_index).sum()
+
+
+CrossEntropyFunction = autograd_function(cross_entropy_forward, cross_entropy_backward, reduce_loss)
+cross_entropy = traceable_cross_entropy(
+    "triton", cross_entropy_forward, cross_entropy_backward, reduce_loss
+)
+
+
+class CrossEntropyLoss(CrossEntropyLossModule):
+    """Drop-in for torch.nn.CrossEntropyLoss, on this file's cross_entropy."""
+
+    loss_function = staticmethod(cross_entropy)

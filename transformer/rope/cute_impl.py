@@ -1,0 +1,264 @@
+"""RoPE forward and backward in the CuTe DSL: one block per token rotates all its q and k heads.
+
+    y_a = x_a cos(theta) - x_b sin(theta)     y_b = x_b cos(theta) + x_a sin(theta)
+
+The map (README.md, "CuTe", draws it): a head's D elements are 2R runs of 16 bytes. Thread t
+owns run j = t % R of the first half and run R + j of the second, in head t // R, then in every
+(threads / R)-th head after it, through q's heads and then k's. The block size is a multiple
+of R, so a thread's run, and with it its angles, is the same in every head it visits: it
+computes them once, in its own registers (no shared memory, no barrier). Rotate-half pairs the
+two runs element by element; interleaved pairs neighbours inside each run. The backward is the
+same kernel with sin negated.
+
+The fast path moves each run with one 128-bit access and needs whole runs on 16-byte
+boundaries (`is_vector_friendly`); any other operand (a column step in D, D/2 not a multiple
+of the run, an odd offset) goes through torch_impl's rotation: correct, several passes.
+cos and sin of computed angles are libdevice's full-range cosf and sinf, as in README's bound.
+"""
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+import torch_impl
+from reference import canonical, check_rope, table_half
+from torch_impl import model_plumbing
+
+VECTOR_BYTES = 16  # the widest access a thread can issue: 128 bits
+# Threads of a block, at most, when a token has more (head, run) pairs than this: the threads
+# then visit several heads each. 512 holds Llama 3 8B's 40 bf16 heads (R = 8) in one pass.
+MAX_THREADS = 512
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+POSITION_TYPES = {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
+
+
+@cute.jit
+def run_angles(cos, sin, inv_freq, position, j, runs_per_half, run: cutlass.Constexpr[int],
+               interleaved: cutlass.Constexpr[bool], inverse: cutlass.Constexpr[bool]):  # fmt: skip
+    """cos and sin, in float32, of the angles of the pairs in this thread's two runs (j and
+    R + j): rotate-half's run pairs i = j * run + e with element e of both runs; interleaved's
+    runs hold run/2 pairs each, the first run's then the second's. From the table's row
+    (NaN outside it) or of theta = float32(p) * inv_freq, rounded once."""
+    c = cute.make_rmem_tensor((run,), cutlass.Float32)
+    s = cute.make_rmem_tensor((run,), cutlass.Float32)
+    pairs = run // 2
+    for e in cutlass.range_constexpr(run):
+        i = j * run + e
+        if cutlass.const_expr(interleaved):
+            i = j * pairs + e if e < pairs else (runs_per_half + j) * pairs + e - pairs
+        if cutlass.const_expr(inv_freq is None):
+            if position >= 0 and position < cute.size(cos, mode=[0]):
+                c[e] = cos[position, i].to(cutlass.Float32)
+                s[e] = sin[position, i].to(cutlass.Float32)
+            else:
+                c[e], s[e] = cutlass.Float32(float("nan")), cutlass.Float32(float("nan"))
+        else:
+            theta = position.to(cutlass.Float32) * inv_freq[i]
+            c[e], s[e] = cute.math.cos(theta), cute.math.sin(theta)
+        if cutlass.const_expr(inverse):
+            s[e] = -s[e]
+    return c, s
+
+
+@cute.jit
+def run_copy(src, dst):
+    """One 16-byte run in a single 128-bit access (the operands' layout guarantees alignment)."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), src.element_type,
+                               num_bits_per_copy=VECTOR_BYTES * 8)  # fmt: skip
+    cute.copy(atom, src, dst)
+
+
+@cute.jit
+def rotate_head(x, out, j, runs_per_half, c, s, run: cutlass.Constexpr[int],
+                interleaved: cutlass.Constexpr[bool]):  # fmt: skip
+    """Rotate this thread's two runs of one head: x and out are the head's D elements."""
+    values = []
+    for index in (j, runs_per_half + j):  # both loads before any store: out may be x itself
+        raw = cute.make_rmem_tensor((run,), x.element_type)
+        run_copy(cute.local_tile(x, (run,), (index,)), raw)
+        wide = cute.make_rmem_tensor((run,), cutlass.Float32)
+        for e in cutlass.range_constexpr(run):
+            wide[e] = raw[e].to(cutlass.Float32)
+        values.append(wide)
+    if cutlass.const_expr(interleaved):  # pair m of run r: elements 2m, 2m + 1
+        for r in cutlass.range_constexpr(2):
+            v = values[r]
+            for m in cutlass.range_constexpr(run // 2):
+                a, b = v[2 * m], v[2 * m + 1]
+                cm, sm = c[r * (run // 2) + m], s[r * (run // 2) + m]
+                v[2 * m], v[2 * m + 1] = a * cm - b * sm, b * cm + a * sm
+    else:  # pair e: element e of each run
+        first, second = values
+        for e in cutlass.range_constexpr(run):
+            a, b = first[e], second[e]
+            first[e], second[e] = a * c[e] - b * s[e], b * c[e] + a * s[e]
+    for wide, index in zip(values, (j, runs_per_half + j), strict=True):
+        rounded = cute.make_rmem_tensor((run,), out.element_type)
+        for e in cutlass.range_constexpr(run):
+            rounded[e] = wide[e].to(out.element_type)
+        run_copy(rounded, cute.local_tile(out, (run,), (index,)))
+
+
+@cute.kernel
+def rope_kernel(
+    q: cute.Tensor, k: cute.Tensor, q_out: cute.Tensor, k_out: cute.Tensor, cos, sin, inv_freq,
+    positions, runs_per_half: cutlass.Int32, run: cutlass.Constexpr[int],
+    interleaved: cutlass.Constexpr[bool], inverse: cutlass.Constexpr[bool],
+):  # fmt: skip
+    token, _, _ = cute.arch.block_idx()
+    thread, _, _ = cute.arch.thread_idx()
+    threads, _, _ = cute.arch.block_dim()
+    seq = cutlass.Int32(cute.size(q, mode=[1]))  # B S and the head counts fit 32 bits
+    b, s = token // seq, token % seq
+    position = cutlass.Int64(s)
+    if cutlass.const_expr(positions is not None):
+        position = positions[b, s].to(cutlass.Int64)
+    j = thread % runs_per_half  # the same in every head this thread visits
+    c, sn = run_angles(cos, sin, inv_freq, position, j, runs_per_half, run, interleaved, inverse)
+    heads_q = cutlass.Int32(cute.size(q, mode=[2]))
+    heads = heads_q + cutlass.Int32(cute.size(k, mode=[2]))
+    for head in cutlass.range(thread // runs_per_half, heads, threads // runs_per_half):
+        if head < heads_q:
+            rotate_head(q[b, s, head, None], q_out[b, s, head, None], j, runs_per_half, c, sn,
+                        run, interleaved)  # fmt: skip
+        else:
+            h = head - heads_q
+            rotate_head(k[b, s, h, None], k_out[b, s, h, None], j, runs_per_half, c, sn, run,
+                        interleaved)  # fmt: skip
+
+
+@cute.jit
+def launch_rope(
+    q: cute.Tensor, k: cute.Tensor, q_out: cute.Tensor, k_out: cute.Tensor, cos, sin, inv_freq,
+    positions, runs_per_half: cutlass.Int32, threads: cutlass.Int32, stream: cuda.CUstream,
+    interleaved: cutlass.Constexpr[bool], inverse: cutlass.Constexpr[bool],
+):  # fmt: skip
+    run = VECTOR_BYTES * 8 // q.element_type.width
+    tokens = cute.size(q, mode=[0]) * cute.size(q, mode=[1])
+    rope_kernel(q, k, q_out, k_out, cos, sin, inv_freq, positions, runs_per_half, run,
+                interleaved, inverse).launch(grid=[tokens, 1, 1], block=[threads, 1, 1],
+                                             stream=stream)  # fmt: skip
+
+
+def build(dtype, table_dtype, position_dtype, interleaved, inverse, options=""):
+    """cute.compile the launcher for TVM-FFI calls on torch tensors, on torch's current stream.
+    q, q_out and k, k_out are (B, S, heads, D) with their own strides: D contiguous, the others
+    whole runs, on 16-byte boundaries. The angles: a (P, D/2) table of table_dtype with any
+    strides, or (table_dtype None) a float32 inv_freq; positions (B, S) of position_dtype with
+    any strides (0 for a broadcast), or None (the position is s)."""
+    run = VECTOR_BYTES // dtype.itemsize
+    batch, seq, head_dim = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
+
+    def heads_tensor(heads):
+        stride = (*(cute.sym_int64(divisibility=run) for _ in range(3)), 1)
+        return cute.runtime.make_fake_tensor(TORCH_TO_CUTLASS[dtype], (batch, seq, heads, head_dim),
+                                             stride=stride, assumed_align=VECTOR_BYTES)  # fmt: skip
+
+    def any_strides(element, shape):
+        return cute.runtime.make_fake_tensor(
+            element, shape, stride=tuple(cute.sym_int64() for _ in shape),
+            assumed_align=1 if element.width == 8 else element.width // 8,
+        )  # fmt: skip
+
+    heads_q, heads_k, half = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
+    q, q_out = heads_tensor(heads_q), heads_tensor(heads_q)
+    k, k_out = heads_tensor(heads_k), heads_tensor(heads_k)
+    cos = sin = inv_freq = positions = None
+    if table_dtype is None:
+        inv_freq = any_strides(cutlass.Float32, (half,))
+    else:
+        rows = cute.sym_int64()
+        cos, sin = (any_strides(TORCH_TO_CUTLASS[table_dtype], (rows, half)) for _ in range(2))
+    if position_dtype is not None:
+        positions = any_strides(POSITION_TYPES[position_dtype], (batch, seq))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    operands = (q, k, q_out, k_out, cos, sin, inv_freq, positions)
+    return cute.compile(launch_rope, *operands, 1, 1, stream, interleaved, inverse,
+                        options=f"--enable-tvm-ffi {options}")  # fmt: skip
+
+
+@functools.cache
+def compile_kernel(dtype, table_dtype, position_dtype, interleaved, inverse):
+    """The compiled launcher, built once per specialisation and cached."""
+    return build(dtype, table_dtype, position_dtype, interleaved, inverse).__tvm_ffi_object__()
+
+
+def ptx_of(dtype, table_dtype, position_dtype, interleaved, inverse=False):
+    """The sm_90a PTX of a build: what the tests read for 128-bit accesses and cosf/sinf."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
+        return build(dtype, table_dtype, position_dtype, interleaved, inverse, options).__ptx__
+
+
+def is_vector_friendly(t):
+    """A (B, S, heads, D) operand of whole 16-byte runs on 16-byte boundaries: D contiguous,
+    D/2 and every other stride multiples of the run, a 16-byte aligned start."""
+    run = VECTOR_BYTES // t.element_size()
+    return (
+        t.data_ptr() % VECTOR_BYTES == 0
+        and t.stride(3) == 1
+        and t.shape[3] % (2 * run) == 0
+        and all(stride % run == 0 for stride in t.stride()[:3])
+    )
+
+
+def block_threads(heads, runs_per_half):
+    """Threads of a token's block: a multiple of R, at most MAX_THREADS (or R), split so that
+    every thread visits the same number of heads, give or take one."""
+    passes = -(-heads * runs_per_half // max(MAX_THREADS, runs_per_half))
+    return -(-heads // passes) * runs_per_half
+
+
+def rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids, interleaved, layout,
+                inverse):  # fmt: skip
+    check_rope(q, k, q_out, k_out, cos=cos, sin=sin, inv_freq=inv_freq,
+               position_ids=position_ids, layout=layout)  # fmt: skip
+    if not q.is_cuda:
+        raise ValueError(f"the operands are on {q.device}; the CuTe kernel needs CUDA tensors")
+    views = [canonical(t, layout) for t in (q, k, q_out, k_out)]
+    batch, seq, heads_q, head_dim = views[0].shape
+    heads = heads_q + views[1].shape[2]
+    if batch * seq == 0 or heads == 0:
+        return q_out, k_out
+    runs_per_half = head_dim * q.element_size() // (2 * VECTOR_BYTES)
+    if not all(is_vector_friendly(t) for t in views if t.numel()):
+        # Not whole 16-byte runs: torch's rotation, correct for any strides.
+        return torch_impl.rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids,
+                                      interleaved, layout, -1.0 if inverse else 1.0)  # fmt: skip
+    if cos is not None:
+        cos, sin = (table_half(t, head_dim // 2, interleaved) for t in (cos, sin))
+    if position_ids is not None:
+        position_ids = position_ids.expand(batch, seq)
+    kernel = compile_kernel(q.dtype, None if cos is None else cos.dtype,
+                            None if position_ids is None else position_ids.dtype, interleaved,
+                            inverse)  # fmt: skip
+    # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
+    kernel(*views, cos, sin, inv_freq, position_ids, runs_per_half,
+           block_threads(heads, runs_per_half))  # fmt: skip
+    return q_out, k_out
+
+
+def rope_forward(q, k, q_out, k_out, *, cos=None, sin=None, inv_freq=None, position_ids=None,
+                 interleaved=False, layout="bshd"):  # fmt: skip
+    return rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids, interleaved, layout,
+                       False)  # fmt: skip
+
+
+def rope_backward(dq, dk, dq_out, dk_out, *, cos=None, sin=None, inv_freq=None,
+                  position_ids=None, interleaved=False, layout="bshd"):  # fmt: skip
+    return rope_rotate(dq, dk, dq_out, dk_out, cos, sin, inv_freq, position_ids, interleaved,
+                       layout, True)  # fmt: skip
+
+
+_plumbing = model_plumbing("cute", rope_forward, rope_backward)
+RoPEFunction, RotaryEmbedding = _plumbing.RoPEFunction, _plumbing.RotaryEmbedding
+rope = _plumbing.rope
