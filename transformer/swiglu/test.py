@@ -293,7 +293,7 @@ def test_special_values(impl, dtype):
     g[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e4], dtype=dtype)
     g[1, :2] = -1e4
     u[0, 10], dy[1, 20] = float("nan"), float("nan")
-    dy[0, 3] = 0.5  # du = dy * silu(1e4) stays inside float16's range (65504)
+    u[0, 3] = dy[0, 3] = 0.5  # y = silu(1e4) u and du = dy silu(1e4) stay inside float16's range
     y = check_forward(impl, g, u)
     assert y[0, 0].isnan() and y[0, 1] == math.inf * u[0, 1].sign() and y[0, 2].isnan()
     assert y[0, 10].isnan() and y[1, :2].eq(0).all() and y[0, 3].isfinite()
