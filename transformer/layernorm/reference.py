@@ -35,18 +35,21 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def address_range(t):
-    """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
+    """[first byte, one past the last byte] of t's elements (torch strides are never negative);
+    None for an empty t. A check computes it once per operand and compares the ranges pairwise."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        size = t.nbytes
+        return (start, start + size) if size else None
     if t.numel() == 0:
         return None
-    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
-        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+    return start, start + (span + 1) * t.element_size()
 
 
-def overlap(a, b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
-    range_a, range_b = address_range(a), address_range(b)
+def overlap(a, range_a, b, range_b):
+    """'none', 'same' (the very same elements in the same order) or 'partial', by address:
+    a and b with their address_range."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
     same_layout = a.shape == b.shape and all(
@@ -76,7 +79,7 @@ def _check_tensor(name, t, shape, dtypes, device):
     if t.dtype not in dtypes:
         names = ", ".join(str(d)[6:] for d in dtypes)
         raise TypeError(f"{name} has dtype {t.dtype}; expected {names}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:  # a torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
@@ -93,26 +96,38 @@ def _check_x(x):
         raise ValueError("x's last dimension is 0: the mean of no elements is undefined")
 
 
+# The dtypes of each operand, built once: float32 parameters may scale 16-bit activations.
+SAME_DTYPE = {dtype: (dtype,) for dtype in SUPPORTED_DTYPES}
+PARAMETER_DTYPES = {dtype: (dtype, torch.float32) for dtype in SUPPORTED_DTYPES}
+FLOAT32 = (torch.float32,)
+
+
 def _check_parameters(x, named):
     """weight, bias and their gradients: None, or (N,) in x's dtype or float32 (the mixed
     precision torch.nn.LayerNorm accepts: float32 parameters over 16-bit activations)."""
-    dtypes = (x.dtype, torch.float32)
+    shape, dtypes, device = (x.shape[-1],), PARAMETER_DTYPES[x.dtype], x.device
     for name, t in named:
         if t is not None:
-            _check_tensor(name, t, x.shape[-1:], dtypes, x.device)
+            _check_tensor(name, t, shape, dtypes, device)
+
+
+def _with_ranges(named):
+    """(name, tensor, address range) of each operand given (None: not given)."""
+    return [(name, t, address_range(t)) for name, t in named if t is not None]
 
 
 def _check_outputs(inputs, outputs):
     """No output has two elements at one address, shares memory with another output, or
     partially overlaps an input (an output may be an input itself: in place)."""
-    for i, (name, t) in enumerate(outputs):
+    inputs, outputs = _with_ranges(inputs), _with_ranges(outputs)
+    for i, (name, t, span) in enumerate(outputs):
         if elements_collide(t):
             raise ValueError(f"{name}'s strides {t.stride()} give two of its elements one address")
-        for other_name, other in outputs[:i]:
-            if overlap(t, other) != "none":
+        for other_name, other, other_span in outputs[:i]:
+            if overlap(t, span, other, other_span) != "none":
                 raise ValueError(f"{name} overlaps {other_name}: two outputs share memory")
-        for other_name, other in inputs:
-            if overlap(t, other) == "partial":
+        for other_name, other, other_span in inputs:
+            if overlap(t, span, other, other_span) == "partial":
                 raise ValueError(f"{name} partially overlaps {other_name}")
 
 
@@ -133,14 +148,15 @@ def check_forward(x, weight, bias, eps, y, mean, rstd, outputs_optional=False):
         raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a real number >= 0, got {eps!r}")
+    shape, device = x.shape, x.device
     if y is not None:
-        _check_tensor("y", y, x.shape, (x.dtype,), x.device)
+        _check_tensor("y", y, shape, SAME_DTYPE[x.dtype], device)
     for name, t in (("mean", mean), ("rstd", rstd)):
         if t is not None:
-            _check_tensor(name, t, x.shape[:-1], (torch.float32,), x.device)
-    inputs = [(n, t) for n, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None]
-    outputs = [(n, t) for n, t in (("y", y), ("mean", mean), ("rstd", rstd)) if t is not None]
-    _check_outputs(inputs, outputs)
+            _check_tensor(name, t, shape[:-1], FLOAT32, device)
+    _check_outputs(
+        (("x", x), ("weight", weight), ("bias", bias)), (("y", y), ("mean", mean), ("rstd", rstd))
+    )
 
 
 def check_backward(x, weight, mean, rstd, dy, dx, dweight, dbias, outputs_optional=False):
@@ -150,19 +166,19 @@ def check_backward(x, weight, mean, rstd, dy, dx, dweight, dbias, outputs_option
         _require((("dx", dx),))
     _check_x(x)
     _check_parameters(x, (("weight", weight), ("dweight", dweight), ("dbias", dbias)))
+    shape, like_x, device = x.shape, SAME_DTYPE[x.dtype], x.device
     for name, t in (("mean", mean), ("rstd", rstd)):
-        _check_tensor(name, t, x.shape[:-1], (torch.float32,), x.device)
-    _check_tensor("dy", dy, x.shape, (x.dtype,), x.device)
+        _check_tensor(name, t, shape[:-1], FLOAT32, device)
+    _check_tensor("dy", dy, shape, like_x, device)
     if dx is not None:
-        _check_tensor("dx", dx, x.shape, (x.dtype,), x.device)
+        _check_tensor("dx", dx, shape, like_x, device)
     if dweight is not None and weight is None:
         raise ValueError(
             "dweight was given but weight is None: there is no weight to differentiate"
         )
-    inputs = [("x", x), ("weight", weight), ("mean", mean), ("rstd", rstd), ("dy", dy)]
-    outputs = [("dx", dx), ("dweight", dweight), ("dbias", dbias)]
     _check_outputs(
-        [(n, t) for n, t in inputs if t is not None], [(n, t) for n, t in outputs if t is not None]
+        (("x", x), ("weight", weight), ("mean", mean), ("rstd", rstd), ("dy", dy)),
+        (("dx", dx), ("dweight", dweight), ("dbias", dbias)),
     )
 
 

@@ -37,18 +37,21 @@ def to_float32(value):
 
 
 def address_range(t):
-    """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
+    """[first byte, one past the last byte] of t's elements (torch strides are never negative);
+    None for an empty t. A check computes it once per operand and compares the ranges pairwise."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        size = t.nbytes
+        return (start, start + size) if size else None
     if t.numel() == 0:
         return None
-    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
-        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+    return start, start + (span + 1) * t.element_size()
 
 
-def overlap(a, b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
-    range_a, range_b = address_range(a), address_range(b)
+def overlap(a, range_a, b, range_b):
+    """'none', 'same' (the very same elements in the same order) or 'partial', by address:
+    a and b with their address_range."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
     same_layout = a.shape == b.shape and all(
@@ -71,15 +74,25 @@ def elements_collide(t):
     return False
 
 
+# The dtypes of each operand, built once: float32 weights may scale 16-bit activations.
+SAME_DTYPE = {dtype: (dtype,) for dtype in SUPPORTED_DTYPES}
+WEIGHT_DTYPES = {dtype: (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
+                 for dtype in SUPPORTED_DTYPES}  # fmt: skip
+FLOAT32 = (torch.float32,)
+# The inputs an output of x's shape may be itself (in place): each element is read before the
+# same element is written.
+IN_PLACE_INPUTS = ("x", "residual", "dy", "dresidual_out")
+
+
 def _check_tensor(name, t, dtypes, shape, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = " or ".join(str(d)[6:] for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected {names}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:  # a torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-    if device is not None and t.device != device:
+    if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
@@ -88,24 +101,28 @@ def _check_x(x):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError("x must have a last dimension to normalise over, got a 0-dim tensor")
-    _check_tensor("x", x, SUPPORTED_DTYPES, x.shape, None)
+    if x.dtype not in SUPPORTED_DTYPES:
+        names = " or ".join(str(d)[6:] for d in SUPPORTED_DTYPES)
+        raise TypeError(f"x has dtype {str(x.dtype)[6:]}; expected {names}")
 
 
 def _check_operands(x, weight, inputs, outputs):
     """x (checked first) sets shape, dtype and device. inputs and outputs: ((name, tensor,
     dtypes, shape), ...) after x. An output of x's shape may be an input of x's shape itself
     (in place); nothing else may share an address with an output."""
-    weight_dtypes = (x.dtype,) if x.dtype == torch.float32 else (x.dtype, torch.float32)
-    _check_tensor("weight", weight, weight_dtypes, x.shape[-1:], x.device)
+    device = x.device
+    _check_tensor("weight", weight, WEIGHT_DTYPES[x.dtype], (x.shape[-1],), device)
     for name, t, dtypes, shape in inputs + outputs:
-        _check_tensor(name, t, dtypes, shape, x.device)
-    everything = (("x", x), ("weight", weight)) + tuple((name, t) for name, t, *_ in inputs)
-    for k, (name, t, *_) in enumerate(outputs):
+        _check_tensor(name, t, dtypes, shape, device)
+    read = [("x", x, address_range(x)), ("weight", weight, address_range(weight))]
+    read += [(name, t, address_range(t)) for name, t, *_ in inputs]
+    written = [(name, t, address_range(t)) for name, t, *_ in outputs]
+    for k, (name, t, span) in enumerate(written):
         if elements_collide(t):
             raise ValueError(f"{name}'s strides {t.stride()} give two of its elements one address")
-        for other_name, other in everything + tuple((n, o) for n, o, *_ in outputs[k + 1 :]):
-            kind = overlap(t, other)
-            in_place = kind == "same" and other_name in ("x", "residual", "dy", "dresidual_out")
+        for other_name, other, other_span in read + written[k + 1 :]:
+            kind = overlap(t, span, other, other_span)
+            in_place = kind == "same" and other_name in IN_PLACE_INPUTS
             if kind != "none" and not in_place:
                 raise ValueError(f"{name} overlaps {other_name}")
 
@@ -124,20 +141,26 @@ def check_forward(x, weight, eps, y=None, rstd=None, residual=None, residual_out
     _check_eps(eps)
     if (residual is None) != (residual_out is None):
         raise ValueError("residual and residual_out must be given together (or neither)")
-    like_x = lambda name, t: ((name, t, (x.dtype,), x.shape),) if t is not None else ()  # noqa: E731
-    outputs = like_x("y", y) + like_x("residual_out", residual_out)
+    shape, like_x = x.shape, SAME_DTYPE[x.dtype]
+    inputs = () if residual is None else (("residual", residual, like_x, shape),)
+    outputs = () if y is None else (("y", y, like_x, shape),)
+    if residual_out is not None:
+        outputs += (("residual_out", residual_out, like_x, shape),)
     if rstd is not None:
-        outputs += (("rstd", rstd, (torch.float32,), x.shape[:-1]),)
-    _check_operands(x, weight, like_x("residual", residual), outputs)
+        outputs += (("rstd", rstd, FLOAT32, shape[:-1]),)
+    _check_operands(x, weight, inputs, outputs)
 
 
 def check_backward(x, weight, rstd, dy, dx=None, dweight=None, dresidual_out=None):
     """The same for rmsnorm_backward (dx and dweight None: the inputs only)."""
     _check_x(x)
-    like_x = lambda name, t: ((name, t, (x.dtype,), x.shape),) if t is not None else ()  # noqa: E731
-    inputs = (("rstd", rstd, (torch.float32,), x.shape[:-1]),)
-    inputs += like_x("dy", dy) + like_x("dresidual_out", dresidual_out)
-    outputs = like_x("dx", dx)
+    shape, like_x = x.shape, SAME_DTYPE[x.dtype]
+    inputs = (("rstd", rstd, FLOAT32, shape[:-1]),)
+    if dy is not None:
+        inputs += (("dy", dy, like_x, shape),)
+    if dresidual_out is not None:
+        inputs += (("dresidual_out", dresidual_out, like_x, shape),)
+    outputs = () if dx is None else (("dx", dx, like_x, shape),)
     if dweight is not None and isinstance(weight, torch.Tensor):
         outputs += (("dweight", dweight, (weight.dtype,), weight.shape),)
     _check_operands(x, weight, inputs, outputs)

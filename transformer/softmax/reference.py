@@ -32,18 +32,21 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def address_range(t):
-    """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
+    """[first byte, one past the last byte] of t's elements (torch strides are never negative);
+    None for an empty t. A check computes it once per operand and compares the ranges pairwise."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        size = t.nbytes
+        return (start, start + size) if size else None
     if t.numel() == 0:
         return None
-    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
-        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+    return start, start + (span + 1) * t.element_size()
 
 
-def overlap(a, b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
-    range_a, range_b = address_range(a), address_range(b)
+def overlap(a, range_a, b, range_b):
+    """'none', 'same' (the very same elements in the same order) or 'partial', by address:
+    a and b (of one shape) with their address_range."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
     same_layout = all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
@@ -77,23 +80,26 @@ def _check_tensor(name, t):
 def _check_operands(inputs, outputs):
     """inputs and outputs: ((name, tensor), ...); the first input sets shape, dtype and device.
     An output may be one of the inputs itself (in place), never a partial overlap."""
-    for name, t in inputs + outputs:
+    named = inputs + outputs
+    for name, t in named:
         _check_tensor(name, t)
-    (first_name, first), *others = inputs + outputs
-    for name, t in others:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}")
-        if t.shape != first.shape:
+    first_name, first = named[0]
+    dtype, shape, device = first.dtype, first.shape, first.device
+    for name, t in named[1:]:
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {dtype}")
+        if t.shape != shape:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}"
+                f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(shape)}"
             )
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
-    for name, t in outputs:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
+    operands = [(name, t, address_range(t)) for name, t in named]
+    for name, t, span in operands[len(inputs) :]:
         if elements_collide(t):
             raise ValueError(f"{name}'s strides {t.stride()} give two of its elements one address")
-        for other_name, other in inputs + outputs:
-            if other is not t and overlap(t, other) == "partial":
+        for other_name, other, other_span in operands:
+            if other is not t and overlap(t, span, other, other_span) == "partial":
                 raise ValueError(f"{name} partially overlaps {other_name}")
 
 

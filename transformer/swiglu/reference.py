@@ -27,18 +27,21 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def address_range(t):
-    """[first byte, one past the last byte] of t's elements (torch strides are never negative)."""
+    """[first byte, one past the last byte] of t's elements (torch strides are never negative);
+    None for an empty t. A check computes it once per operand and compares the ranges pairwise."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        size = t.nbytes
+        return (start, start + size) if size else None
     if t.numel() == 0:
         return None
-    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
-        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+    return start, start + (span + 1) * t.element_size()
 
 
-def overlap(a, b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
-    range_a, range_b = address_range(a), address_range(b)
+def overlap(a, range_a, b, range_b):
+    """'none', 'same' (the very same elements in the same order) or 'partial', by address:
+    a and b with their address_range."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
     same_layout = a.shape == b.shape and all(
@@ -61,15 +64,19 @@ def elements_collide(t):
     return False
 
 
+# The one dtype every operand after g must have, as the tuple _check_tensor takes, built once.
+SAME_DTYPE = {dtype: (dtype,) for dtype in SUPPORTED_DTYPES}
+
+
 def _check_tensor(name, t, dtypes, shape, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = " or ".join(str(d)[6:] for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected {names}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:  # a torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-    if device is not None and t.device != device:
+    if t.device != device:
         raise ValueError(f"{name} is on {t.device} but g is on {device}")
 
 
@@ -79,31 +86,37 @@ def _check_inputs(g, u):
         raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")
     if g.dim() == 0:
         raise ValueError("g must have a last dimension, got a 0-dim tensor")
-    _check_tensor("g", g, SUPPORTED_DTYPES, g.shape, None)
+    if g.dtype not in SUPPORTED_DTYPES:
+        names = " or ".join(str(d)[6:] for d in SUPPORTED_DTYPES)
+        raise TypeError(f"g has dtype {str(g.dtype)[6:]}; expected {names}")
+    shape = g.shape
     if u is None:
-        if g.shape[-1] % 2:
+        if shape[-1] % 2:
             raise ValueError(
                 f"g without u is the fused gate-up tensor (..., 2N); its last dimension "
-                f"{g.shape[-1]} is odd"
+                f"{shape[-1]} is odd"
             )
-        return (*g.shape[:-1], g.shape[-1] // 2)
-    _check_tensor("u", u, (g.dtype,), g.shape, g.device)
-    return tuple(g.shape)
+        return (*shape[:-1], shape[-1] // 2)
+    _check_tensor("u", u, SAME_DTYPE[g.dtype], shape, g.device)
+    return shape
 
 
 def _check_outputs(inputs, outputs):
     """outputs: ((name, tensor, shape), ...) of g's dtype and device. Each element is read
     before its own output element is written, so an output may be an input itself (in place);
     nothing else may share an address with an output."""
-    g, input_names = inputs[0][1], {name for name, _ in inputs}
+    g = inputs[0][1]
+    dtypes, device = SAME_DTYPE[g.dtype], g.device
     for name, t, shape in outputs:
-        _check_tensor(name, t, (g.dtype,), shape, g.device)
-    for k, (name, t, _) in enumerate(outputs):
+        _check_tensor(name, t, dtypes, shape, device)
+    read = [(name, t, address_range(t), True) for name, t in inputs]
+    written = [(name, t, address_range(t), False) for name, t, _ in outputs]
+    for k, (name, t, span, _) in enumerate(written):
         if elements_collide(t):
             raise ValueError(f"{name}'s strides {t.stride()} give two of its elements one address")
-        for other_name, other in inputs + tuple((n, o) for n, o, _ in outputs[k + 1 :]):
-            kind = overlap(t, other)
-            if kind == "partial" or (kind == "same" and other_name not in input_names):
+        for other_name, other, other_span, is_input in read + written[k + 1 :]:
+            kind = overlap(t, span, other, other_span)
+            if kind == "partial" or (kind == "same" and not is_input):
                 raise ValueError(f"{name} overlaps {other_name}")
 
 
