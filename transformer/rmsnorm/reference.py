@@ -84,12 +84,16 @@ FLOAT32 = (torch.float32,)
 IN_PLACE_INPUTS = ("x", "residual", "dy", "dresidual_out")
 
 
-def _check_tensor(name, t, dtypes, shape, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_dtype(name, t, dtypes):
     if t.dtype not in dtypes:
         names = " or ".join(str(d)[6:] for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected {names}")
+
+
+def _check_tensor(name, t, dtypes, shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_dtype(name, t, dtypes)
     if t.shape != shape:  # a torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
     if t.device != device:
@@ -101,9 +105,7 @@ def _check_x(x):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0:
         raise ValueError("x must have a last dimension to normalise over, got a 0-dim tensor")
-    if x.dtype not in SUPPORTED_DTYPES:
-        names = " or ".join(str(d)[6:] for d in SUPPORTED_DTYPES)
-        raise TypeError(f"x has dtype {str(x.dtype)[6:]}; expected {names}")
+    _check_dtype("x", x, SUPPORTED_DTYPES)
 
 
 def _check_operands(x, weight, inputs, outputs):

@@ -68,12 +68,16 @@ def elements_collide(t):
 SAME_DTYPE = {dtype: (dtype,) for dtype in SUPPORTED_DTYPES}
 
 
-def _check_tensor(name, t, dtypes, shape, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_dtype(name, t, dtypes):
     if t.dtype not in dtypes:
         names = " or ".join(str(d)[6:] for d in dtypes)
         raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected {names}")
+
+
+def _check_tensor(name, t, dtypes, shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_dtype(name, t, dtypes)
     if t.shape != shape:  # a torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
     if t.device != device:
@@ -86,9 +90,7 @@ def _check_inputs(g, u):
         raise TypeError(f"g must be a torch.Tensor, got {type(g).__name__}")
     if g.dim() == 0:
         raise ValueError("g must have a last dimension, got a 0-dim tensor")
-    if g.dtype not in SUPPORTED_DTYPES:
-        names = " or ".join(str(d)[6:] for d in SUPPORTED_DTYPES)
-        raise TypeError(f"g has dtype {str(g.dtype)[6:]}; expected {names}")
+    _check_dtype("g", g, SUPPORTED_DTYPES)
     shape = g.shape
     if u is None:
         if shape[-1] % 2:
