@@ -7,10 +7,15 @@ A, B and C, write C); from a few hundred on a side it is compute bound, so the m
 TFLOP/s = 2mnk / time. Shapes: squares from 256 to 16384, and m = 16384 with (n, k) from the
 projections of a 7B-class transformer layer: (4096, 4096), (11008, 4096), (4096, 11008),
 (14336, 4096); every shape in bfloat16, float16 and float32 (IEEE: no TF32), A and B row-major.
-Time is the median of `triton.testing.do_bench`, which flushes the L2 cache before every call,
-taken in ROUNDS rounds that rotate the order of the implementations (the median of the rounds):
-at full tensor-core rate the H200's clock follows its power and temperature, so whichever ran
-first on a cool card would otherwise be favoured by a few percent.
+Time is the GPU's: each implementation's calls on COPIES sets of operands (enough that they pass
+ROTATE_BYTES, so W of a decode step comes from memory as it does in a model, not from the 50 MiB
+L2) are captured in one CUDA graph, and the replay is timed by `triton.testing.do_bench`, which
+flushes the L2 cache before each replay; a call is the replay's median over COPIES. Timed call
+by call, a call whose GPU work is shorter than its host path (a decode step, 1024^3) would time
+the host, which the per-call rows measure on their own. The median is taken in ROUNDS rounds
+that rotate the order of the implementations (the median of the rounds): at full tensor-core
+rate the H200's clock follows its power and temperature, so whichever ran first on a cool card
+would otherwise be favoured by a few percent.
 The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
 library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
 measured when it can be imported, and at STEP_CASES each step of its lesson too, as its own row
@@ -42,6 +47,9 @@ ALPHA, BETA = 1.0, 0.5  # C stays bounded over the repeated in-place calls
 ROUNDS = 3
 LAYOUT = "NN"  # A and B row-major, every row
 TINY, CALLS, FLOOR_N = 64, 2000, 4096  # per-call rows: m = n = k, calls timed; the floors' n
+# Operand sets a timed graph rotates through: 2.5x the H200's 50 MiB L2 in all, so that each
+# call's A and B come from memory; at most MAX_COPIES (small shapes stay in L2 regardless).
+ROTATE_BYTES, MAX_COPIES = 125 * 2**20, 16
 
 
 def library_gemm(alpha, A, B, beta, C):
@@ -104,23 +112,56 @@ def make_operands(m, n, k, dtype, layout=LAYOUT):
     return random(m, k, layout[0] == "T"), random(k, n, layout[1] == "T"), random(m, n)
 
 
-def gemm_call(gemm, A, B, C):
-    return lambda: gemm(ALPHA, A, B, BETA, C)
+def operand_sets(m, n, k, dtype, layout):
+    """COPIES sets of (A, B, C): enough that together they pass ROTATE_BYTES, at most MAX_COPIES."""
+    one_set = (m * k + k * n + m * n) * dtype.itemsize
+    copies = min(MAX_COPIES, -(-ROTATE_BYTES // one_set))
+    return [make_operands(m, n, k, dtype, layout) for _ in range(copies)]
+
+
+def gemm_call(gemm, operands):
+    """One call of gemm on each operand set in turn."""
+
+    def call():
+        for A, B, C in operands:
+            gemm(ALPHA, A, B, BETA, C)
+
+    return call
+
+
+def graph_ms(calls, copies, rep=40):
+    """(ms of one gemm call, timing): `calls` (one call per operand set) captured in a CUDA
+    graph whose replay is timed, divided by the sets. A call the capture refuses is timed
+    eagerly, and `timing` says why."""
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # leaving it restores the stream even if the capture fails
+        calls()  # compiles and allocates outside the capture
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                calls()
+        except Exception as error:
+            reason = str(error).splitlines()[0][:80]
+            return median_ms(calls, rep) / copies, f"eager: not capturable ({reason})"
+    return median_ms(graph.replay, rep) / copies, "graph"
 
 
 def median_ms(fn, rep=100):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def interleaved_ms(calls):
-    """{name: ms}: the median over ROUNDS rounds of each call's median time, every round in a
-    rotated order, so that no implementation always runs first (cool) or last (hot)."""
+def interleaved_ms(calls, copies):
+    """{name: (ms, timing)}: the median over ROUNDS rounds of each call's `graph_ms`, every round
+    in a rotated order, so that no implementation always runs first (cool) or last (hot)."""
     names = list(calls)
     samples = {name: [] for name in names}
     for shift in range(ROUNDS):
         for name in names[shift:] + names[:shift]:
-            samples[name].append(median_ms(calls[name], rep=40))
-    return {name: statistics.median(ms) for name, ms in samples.items()}
+            samples[name].append(graph_ms(calls[name], copies))
+    return {
+        name: (statistics.median(ms for ms, _ in runs), runs[-1][1])
+        for name, runs in samples.items()
+    }
 
 
 @triton.jit
@@ -159,7 +200,7 @@ def per_call_floors():
 def per_call_rows(dtype):
     """One row per implementation and the library op (torch.addmm): host_us at TINY^3."""
     A, B, C = make_operands(TINY, TINY, TINY, dtype)
-    host = per_call_us({name: gemm_call(f, A, B, C) for name, f in IMPLS.items()})
+    host = per_call_us({name: gemm_call(f, [(A, B, C)]) for name, f in IMPLS.items()})
     return [
         {"impl": impl, "dtype": str(dtype)[6:], "layout": LAYOUT, "shape": [TINY] * 3,
          "ms": None, "GBps": None, "TFLOPs": None, "pct_of_ceiling": None,
@@ -245,26 +286,29 @@ def plot(rows, ceiling, floors, path):
 def timed_rows(dtype, layout, shape, ceiling):
     """One row per implementation (and step, at STEP_CASES) for one case, timed interleaved."""
     m, n, k = shape
-    A, B, C = make_operands(m, n, k, dtype, layout)
+    operands = operand_sets(m, n, k, dtype, layout)
     steps = STEPS if (dtype, layout, shape) in STEP_CASES else {}
     rounds = IMPLS | {name: f for name, f in steps.items() if name != "cute.step1"}
-    times = interleaved_ms({name: gemm_call(f, A, B, C) for name, f in rounds.items()})
+    calls = {name: gemm_call(f, operands) for name, f in rounds.items()}
+    times = interleaved_ms(calls, len(operands))
     # Step 1 is timed after the rounds: its CUDA-core kernel draws less power than the tensor
     # cores, and inside the rounds the clock it left high favoured whichever ran next (step 2
     # read 8% faster than the same kernel as cute at bf16 4096^3).
     if "cute.step1" in steps:
-        times["cute.step1"] = median_ms(gemm_call(steps["cute.step1"], A, B, C), rep=40)
+        step1 = gemm_call(steps["cute.step1"], operands)
+        times["cute.step1"] = graph_ms(step1, len(operands))
     rows = []
-    for impl, ms in times.items():
+    for impl, (ms, timing) in times.items():
         tflops = 2 * m * n * k / ms / 1e9
         rows.append(
             {"impl": impl, "dtype": str(dtype)[6:], "layout": layout, "shape": [m, n, k],
              "ms": ms, "GBps": None, "TFLOPs": tflops,
-             "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"] / ms}
+             "pct_of_ceiling": 100 * tflops / ceiling, "vs_library": times["library"][0] / ms,
+             "timing": timing}
         )  # fmt: skip
         print(f"{impl:10s} {str(dtype)[6:]:9s} {layout} {m}x{n}x{k} {ms * 1e3:10.1f} us "
               f"{tflops:6.1f} TFLOP/s {100 * tflops / ceiling:5.1f}% "
-              f"x{times['library'] / ms:.2f} vs torch.addmm")  # fmt: skip
+              f"x{times['library'][0] / ms:.2f} vs torch.addmm {timing}")  # fmt: skip
     return rows
 
 

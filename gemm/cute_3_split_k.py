@@ -48,8 +48,12 @@ from cute_2_tma_wgmma import (
 # A slice of k is at least the ring's depth (6 stages of 128 x 128 tiles, 4 of 128 x 256), so
 # that a unit streams W at full rate for longer than it takes to fill the ring.
 MIN_SPLIT_STEPS = 8
-# A partial costs 8 bytes an element: written by its unit, read back by sum_partials.
+# A partial costs 8 bytes an element: written by its unit, read back by sum_partials, both
+# spread over the whole chip. The second kernel's start and tail cost about SPLIT_START_BYTES
+# of one SM's streaming (fitted to the H200 sweep in README.md's tuning log: at 128 x 11008 x
+# 4096, any split took 9-11 us more than none).
 PARTIAL_BYTES = 8
+SPLIT_START_BYTES = 128 * 1024
 # Workspace rows start on 16-byte boundaries (4 float32): pairs of columns store as one access.
 PARTIAL_ROW_ALIGN = 4
 SUM_THREADS = 256  # sum_partials: a block sums 256 adjacent columns of one row
@@ -59,14 +63,15 @@ SUM_THREADS = 256  # sum_partials: a block sums 256 adjacent columns of one row
 def split_plan(m, n, k, itemsize):
     """(tile_n, S) for split k, or None to run step 2: None when C already has a 128 x 128 tile
     per SM. Otherwise the choice whose busiest SM moves the fewest bytes: its waves of units,
-    each a slice's B tiles (TILE_K_BYTES a column a k step) and its partial tile, over tile_n
-    in (128, 256) and S from 1 to the most slices of MIN_SPLIT_STEPS or more; ties go to fewer
-    slices, then fewer units. Every slice gets at least one k step; S = 1 means step 2."""
+    each a slice's B tiles (TILE_K_BYTES a column a k step), plus, when k is split, its share
+    of the partials' traffic (S m n PARTIAL_BYTES over SM_COUNT SMs) and SPLIT_START_BYTES;
+    over tile_n in (128, 256) and S from 1 to the most slices of MIN_SPLIT_STEPS or more; ties
+    go to fewer slices, then fewer units. Every slice gets at least one k step; S = 1 means
+    step 2."""
     tiles_m = ceil_div(m, TILE_M)
     if tiles_m * ceil_div(n, 128) >= SM_COUNT:
         return None
     k_steps = ceil_div(k * itemsize, TILE_K_BYTES)
-    rows = min(m, TILE_M)
     best = None
     for tile_n in (128, 256):
         tiles = tiles_m * ceil_div(n, tile_n)
@@ -75,8 +80,9 @@ def split_plan(m, n, k, itemsize):
             if ceil_div(k_steps, steps) < splits:
                 continue  # the last slice would be empty: fewer slices do the same
             waves = ceil_div(tiles * splits, SM_COUNT)
-            partial = rows * PARTIAL_BYTES if splits > 1 else 0
-            busiest = waves * tile_n * (steps * TILE_K_BYTES + partial)
+            busiest = waves * tile_n * steps * TILE_K_BYTES
+            if splits > 1:
+                busiest += splits * m * n * PARTIAL_BYTES // SM_COUNT + SPLIT_START_BYTES
             candidate = (busiest, splits, tiles * splits, tile_n)
             best = candidate if best is None else min(best, candidate)
     if best is None or best[1] == 1:

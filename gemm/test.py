@@ -370,8 +370,8 @@ def test_tma_min_volume(monkeypatch):
         A = torch.empty(m, k, dtype=torch.bfloat16)
         B = torch.empty(n, k, dtype=torch.bfloat16).T if layout == "NT" else A.new_empty(k, n)
         assert triton_impl.choose_path(A, B, True) == path, (m, n, k)
-    for m in (1, 128):  # one row of tiles of 4096 / 128 = 32: four ranges of k, either kernel
-        assert triton_impl.configuration(m, 4096, 4096, torch.bfloat16)["SPLITS"] == 4
+    for m in (1, 128):  # one row of 4096 / 64 = 64 tiles: two ranges of k, either kernel
+        assert triton_impl.configuration(m, 4096, 4096, torch.bfloat16)["SPLITS"] == 2
     A, B = torch.empty(2048, 2048), torch.empty(2048, 2048)
     assert (triton_impl.choose_path(A, B, False), triton_impl.choose_path(A, B, True)) == (
         "pointer",
@@ -426,21 +426,23 @@ def test_split_rule():
     """k is split when C has fewer tiles than SMs, into the count that spreads tiles x splits
     units most evenly over 132 SMs (the fewest among equals), at most MAX_SPLITS, each range a
     whole number of k steps, MIN_SPLIT_STEPS or more, none empty; a term's additions stay
-    within k."""
+    within k. A one-row C (m <= ONE_ROW) takes `row_plan`'s width and split instead."""
     split = triton_impl.split_count
     assert split(132, 1000) == 1 and split(32, 7) == 1  # one tile per SM; k too short
     assert split(32, 64) == 4  # 128 units on 132 SMs (8: 256 units, two waves, no faster)
     assert split(86, 64) == 3  # 258 units, two waves of a third each (1 and 2: a full tile)
     assert split(1, 1000) == triton_impl.MAX_SPLITS
-    for m, n, k, splits, k_per_split in (
-        (1, 4096, 4096, 4, 1024),  # the 7B decode step: 32 tiles of 16 x 128
-        (64, 11008, 4096, 3, 1408),  # 86 tiles; 1366 rounded up to whole k steps
-        (128, 4096, 11008, 4, 2752),
-        (16, 32768, 4096, 1, 4096),  # 256 tiles
-        (1, 4096, 192, 1, 192),  # three k steps
+    # One row of tiles (m <= ONE_ROW): the width and split of `row_plan`, k steps of 128.
+    for m, n, k, block_n, splits, k_per_split in (
+        (1, 4096, 4096, 64, 2, 2048),  # the 7B decode step: 64 tiles of 16 x 64, 128 units
+        (64, 11008, 4096, 128, 1, 4096),  # 86 tiles, unsplit (64 wide, split 2: three waves)
+        (128, 4096, 11008, 64, 2, 5504),  # 11008 / 2 is 43 whole k steps
+        (16, 32768, 4096, 128, 1, 4096),  # 256 tiles
+        (1, 4096, 192, 128, 1, 256),  # two k steps, the second half past k
     ):
         config = triton_impl.configuration(m, n, k, torch.bfloat16)
-        assert (config["SPLITS"], config["k_per_split"]) == (splits, k_per_split), (m, n, k)
+        got = config["BLOCK_N"], config["SPLITS"], config["k_per_split"]
+        assert got == (block_n, splits, k_per_split), (m, n, k)
     generator = torch.Generator().manual_seed(5)
     for _ in range(500):
         m, n, k = (
@@ -460,17 +462,18 @@ def test_split_rule():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.usefixtures("tma_at_any_size")
 def test_split_k(monkeypatch, m, k, dtype):
-    """Decode-shaped NT calls (m token rows, W = B.T of 40 x k): one row of tiles, k split four
-    ways (16-bit) or eight (float32's shorter k steps), on the TMA kernel for 16-bit and TF32
-    data whose rows TMA can fetch (k = 1024) and on the pointer kernel for IEEE float32 and for
-    k = 1001 (W is never staged: m rows reuse it too little). Within the bound with the split's
-    additions; the same bits twice; the count of each tile left at 0."""
+    """Decode-shaped NT calls (m token rows, W = B.T of 40 x k): one row of tiles, k split into
+    the most ranges of MIN_SPLIT_STEPS k steps, two (16-bit) or four (float32's shorter k
+    steps), on the TMA kernel for 16-bit and TF32 data whose rows TMA can fetch (k = 1024) and
+    on the pointer kernel for IEEE float32 and for k = 1001 (W is never staged: m rows reuse it
+    too little). Within the bound with the split's additions; the same bits twice; the count of
+    each tile left at 0."""
     n = 40
     launched = record_launches(monkeypatch)
     A, B, C = operands(m, n, k, dtype, "NT")
     for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
         config = triton_impl.configuration(m, n, k, dtype, allow_tf32)
-        assert config["SPLITS"] == (8 if dtype == torch.float32 else 4)
+        assert config["SPLITS"] == (4 if dtype == torch.float32 else 2)
         assert config["BLOCK_M"] == max(16, 1 << (m - 1).bit_length())
         tensor_cores = dtype != torch.float32 or allow_tf32
         path = "tma" if tensor_cores and k == 1024 else "pointer"
@@ -1470,14 +1473,17 @@ DECODE_NK = [(4096, 4096), (11008, 4096), (4096, 11008)]
 @needs_cute
 def test_cute_split_plan():
     """split_plan, the host's rule: the decode shapes split k into 3 or 4 slices of 16 to 43
-    k steps, 128 or 129 units for 132 SMs; a C with a 128 x 128 tile per SM, or a k too short
-    for two slices, runs step 2 (None). Over many shapes, every slice holds at least one k step,
-    so a term meets k_s + S - 1 <= k additions (the count `roundings` keeps)."""
+    k steps, 128 or 129 units for 132 SMs, except 128 x 11008 x 4096, whose partials' traffic
+    outweighs what splitting its 86 tiles would gain; a C with a 128 x 128 tile per SM, or a k
+    too short for two slices, runs step 2 (None). Over many shapes, every slice holds at least
+    one k step, so a term meets k_s + S - 1 <= k additions (the count `roundings` keeps)."""
     plan = cute_step3.split_plan
     for m in (1, 16, 64, 128):
         assert plan(m, 4096, 4096, 2) == (128, 4)  # 32 tiles x 4 slices of 16 k steps
-        assert plan(m, 11008, 4096, 2) == (256, 3)  # 43 tiles x 3 slices of 22, 21, 21
         assert plan(m, 4096, 11008, 2) == (128, 4)  # 32 tiles x 4 slices of 43
+    for m in (1, 16, 64):
+        assert plan(m, 11008, 4096, 2) == (256, 3)  # 43 tiles x 3 slices of 22, 21, 21
+    assert plan(128, 11008, 4096, 2) is None  # 86 tiles: 128 rows of partials cost more
     assert plan(4096, 4096, 4096, 2) is None  # 1024 tiles
     assert plan(129, 16384, 4096, 2) is None  # 2 x 128 = 256 tiles
     assert plan(64, 4096, 960, 2) is None  # 15 k steps: no two slices of 8

@@ -75,15 +75,19 @@ LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # A C of at most ONE_ROW rows (a decode step's tokens) is one row of tiles BLOCK_M = the next
 # power of two >= m rows tall (16 at least: tl.dot's smallest), so each element of B, the
-# weight, is loaded once: the call is bound by B's 2nk bytes, not by flops. 128 wide, 4 stages
-# of W tiles (16 KiB each in 16-bit) in flight per program; 8 warps only for 128 rows, where
-# the float32 accumulator needs two warpgroups.
+# weight, is loaded once: the call is bound by B's 2nk bytes, not by flops. `row_plan` picks the
+# tiles' width among ROW_WIDTHS and the split of k. A k step is ROW_K_BYTES of each row (two
+# cache lines: fewer, longer loads in flight per stage), and the stages fill ROW_SMEM_BYTES of
+# shared memory (at most ROW_STAGES): a program keeps 100-200 KiB of W in flight. 8 warps only
+# for 128 rows, where the float32 accumulator needs two warpgroups.
 ONE_ROW = 128
-ROW_TILES = {
-    block_m: {"BLOCK_M": block_m, "BLOCK_N": 128, "num_warps": 8 if block_m == 128 else 4,
-              "num_stages": 4}
-    for block_m in (16, 32, 64, 128)
-}  # fmt: skip
+ROW_WIDTHS = (128, 64)
+ROW_K_BYTES = 256
+ROW_SMEM_BYTES = 200 * 1024
+ROW_STAGES = 6
+# A unit's fixed cost (filling its pipeline, storing and re-reading a partial) is about that of
+# streaming ROW_UNIT_K more values of k (fitted to the H200 sweep in README.md's tuning log).
+ROW_UNIT_K = 2560
 # Split k only into ranges of at least MIN_SPLIT_STEPS k steps (each fills the pipeline of
 # num_stages), and into at most MAX_SPLITS: the last program of a tile reads that many partial
 # tiles, and a term's sum gains SPLITS - 1 additions.
@@ -114,17 +118,16 @@ def ceil_div(a, b):
 
 
 def tiers_of(dtype, allow_tf32):
-    """(the tiers to try, largest first; the fallback; the one-row tiles by height) for
-    `dtype`, each with its BLOCK_K: 128 bytes of each row of an A tile, 32 float32 or 64 16-bit
-    values (one cache line, and the k extent of a few wgmma instructions). float32 with TF32
-    runs on the tensor cores and takes their shape."""
+    """(the tiers to try, largest first; the fallback) for `dtype`, each with its BLOCK_K: 128
+    bytes of each row of an A tile, 32 float32 or 64 16-bit values (one cache line, and the k
+    extent of a few wgmma instructions). float32 with TF32 runs on the tensor cores and takes
+    their shape."""
     block_k = {"BLOCK_K": 128 // dtype.itemsize}
     if dtype != torch.float32:
         tiers = [LARGE_TENSOR_CORE, MEDIUM_TENSOR_CORE]
     else:
         tiers = [LARGE_TF32 if allow_tf32 else LARGE_IEEE_FLOAT32]
-    rows = {block_m: {**tile, **block_k} for block_m, tile in ROW_TILES.items()}
-    return [{**tile, **block_k} for tile in tiers], {**SMALL, **block_k}, rows
+    return [{**tile, **block_k} for tile in tiers], {**SMALL, **block_k}
 
 
 # Built once: configuration() only compares tile counts.
@@ -133,6 +136,28 @@ TIERS = {
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
     for allow_tf32 in (False, True)
 }
+
+
+def row_plan(m, n, k, itemsize):
+    """(tile, SPLITS) of a one-row C (m <= ONE_ROW): the width in ROW_WIDTHS and the split of k
+    whose busiest SM streams the fewest columns of W, ceil(units / SM_COUNT) units of
+    BLOCK_N x (k_per_split + ROW_UNIT_K), the wider tile, then the fewer splits, among equals.
+    Long ranges win: each unit pays to fill its pipeline and to store its partial."""
+    block_m, block_k = max(16, 1 << (m - 1).bit_length()), ROW_K_BYTES // itemsize
+    k_steps, best = ceil_div(k, block_k), None
+    for block_n in ROW_WIDTHS:
+        tiles = ceil_div(n, block_n)
+        for splits in range(1, min(MAX_SPLITS, k_steps // MIN_SPLIT_STEPS) + 1):
+            k_per_split = ceil_div(k_steps, splits) * block_k
+            busiest = ceil_div(tiles * splits, SM_COUNT) * block_n * (k_per_split + ROW_UNIT_K)
+            if best is None or busiest < best[0]:
+                best = busiest, block_n, splits
+    block_n, splits = (ROW_WIDTHS[0], 1) if best is None else best[1:]
+    stage_bytes = (block_m + block_n) * block_k * itemsize
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "num_warps": 8 if block_m == 128 else 4,
+            "num_stages": min(ROW_STAGES, ROW_SMEM_BYTES // stage_bytes)}  # fmt: skip
+    return tile, splits
 
 
 def split_count(tiles, k_steps):
@@ -158,13 +183,13 @@ def configuration(m, n, k, dtype, allow_tf32=False):
     SM, else the small one (`tiers_of`); SPLITS ranges of k_per_split (a whole number of k
     steps), none empty; the precision of tl.dot. Cached, so that a call builds no dict: a model
     calls a few shapes over and over. The dicts are shared; nobody edits them."""
-    tiers, small, rows = TIERS[dtype, bool(allow_tf32)]
     if m <= ONE_ROW:
-        tile = rows[max(16, 1 << (m - 1).bit_length())]
+        tile, splits = row_plan(m, n, k, dtype.itemsize)
     else:
+        tiers, small = TIERS[dtype, bool(allow_tf32)]
         tile = next((t for t in tiers if tiles_of(m, n, t) >= SM_COUNT), small)
+        splits = split_count(tiles_of(m, n, tile), ceil_div(k, tile["BLOCK_K"]))
     block_k = tile["BLOCK_K"]
-    splits = split_count(tiles_of(m, n, tile), ceil_div(k, block_k))
     k_per_split = ceil_div(ceil_div(k, splits), block_k) * block_k
     return {
         **tile, "SPLITS": ceil_div(k, k_per_split) if k else 1, "k_per_split": k_per_split,
