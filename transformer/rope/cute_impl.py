@@ -1,12 +1,14 @@
-"""RoPE forward and backward in the CuTe DSL: one block per token rotates all its q and k heads.
+"""RoPE forward and backward in the CuTe DSL: a block rotates all q and k heads of T tokens.
 
     y_a = x_a cos(theta) - x_b sin(theta)     y_b = x_b cos(theta) + x_a sin(theta)
 
 The map (README.md, "CuTe", draws it): a head's D elements are 2R runs of 16 bytes. Thread t
-owns run j = t % R of the first half and run R + j of the second, in head t // R, then in every
-(threads / R)-th head after it, through q's heads and then k's. The block size is a multiple
-of R, so a thread's run, and with it its angles, is the same in every head it visits: it
-computes them once, in its own registers (no shared memory, no barrier). Rotate-half pairs the
+owns run j = t % R of the first half and run R + j of the second, of token (t // R) % T, in
+head t // (R T), then in every (threads / (R T))-th head after it, through q's heads and then
+k's. T is 1, or more in the (B, H, S, D) layout, where a head's consecutive tokens are
+neighbours in memory (`tokens_per_block`). The block size is a multiple of R T, so a thread's
+token and run, and with them its angles, are the same in every head it visits: it computes
+them once, in its own registers (no shared memory, no barrier). Rotate-half pairs the
 two runs element by element; interleaved pairs neighbours inside each run. The backward is the
 same kernel with sin negated.
 
@@ -32,6 +34,10 @@ VECTOR_BYTES = 16  # the widest access a thread can issue: 128 bits
 # Threads of a block, at most, when a token has more (head, run) pairs than this: the threads
 # then visit several heads each. 512 holds Llama 3 8B's 40 bf16 heads (R = 8) in one pass.
 MAX_THREADS = 512
+# In the (B, H, S, D) layout a block takes consecutive tokens until each head's piece of it is
+# this long: one bf16 token of D = 128 (256 bytes a head, 40 pieces 8 MB apart) ran at 55% of
+# copy, float32's 512-byte pieces at 92%.
+HEAD_PIECE_BYTES = 512
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -111,42 +117,51 @@ def rotate_head(x, out, j, runs_per_half, c, s, run: cutlass.Constexpr[int],
 @cute.kernel
 def rope_kernel(
     q: cute.Tensor, k: cute.Tensor, q_out: cute.Tensor, k_out: cute.Tensor, cos, sin, inv_freq,
-    positions, runs_per_half: cutlass.Int32, run: cutlass.Constexpr[int],
-    interleaved: cutlass.Constexpr[bool], inverse: cutlass.Constexpr[bool],
+    positions, runs_per_half: cutlass.Int32, tokens_per_block: cutlass.Int32,
+    run: cutlass.Constexpr[int], interleaved: cutlass.Constexpr[bool],
+    inverse: cutlass.Constexpr[bool],
 ):  # fmt: skip
-    token, _, _ = cute.arch.block_idx()
+    block, _, _ = cute.arch.block_idx()
     thread, _, _ = cute.arch.thread_idx()
     threads, _, _ = cute.arch.block_dim()
     seq = cutlass.Int32(cute.size(q, mode=[1]))  # B S and the head counts fit 32 bits
-    b, s = token // seq, token % seq
-    position = cutlass.Int64(s)
-    if cutlass.const_expr(positions is not None):
-        position = positions[b, s].to(cutlass.Int64)
-    j = thread % runs_per_half  # the same in every head this thread visits
-    c, sn = run_angles(cos, sin, inv_freq, position, j, runs_per_half, run, interleaved, inverse)
-    heads_q = cutlass.Int32(cute.size(q, mode=[2]))
-    heads = heads_q + cutlass.Int32(cute.size(k, mode=[2]))
-    for head in cutlass.range(thread // runs_per_half, heads, threads // runs_per_half):
-        if head < heads_q:
-            rotate_head(q[b, s, head, None], q_out[b, s, head, None], j, runs_per_half, c, sn,
-                        run, interleaved)  # fmt: skip
-        else:
-            h = head - heads_q
-            rotate_head(k[b, s, h, None], k_out[b, s, h, None], j, runs_per_half, c, sn, run,
-                        interleaved)  # fmt: skip
+    # Thread t's slot t // R is (head row, token): token slot % T of the block's T tokens.
+    slot = thread // runs_per_half
+    token = block * tokens_per_block + slot % tokens_per_block
+    if token < cutlass.Int32(cute.size(q, mode=[0])) * seq:
+        b, s = token // seq, token % seq
+        position = cutlass.Int64(s)
+        if cutlass.const_expr(positions is not None):
+            position = positions[b, s].to(cutlass.Int64)
+        j = thread % runs_per_half  # the same in every head this thread visits
+        c, sn = run_angles(cos, sin, inv_freq, position, j, runs_per_half, run, interleaved,
+                           inverse)  # fmt: skip
+        heads_q = cutlass.Int32(cute.size(q, mode=[2]))
+        heads = heads_q + cutlass.Int32(cute.size(k, mode=[2]))
+        head_step = threads // runs_per_half // tokens_per_block
+        for head in cutlass.range(slot // tokens_per_block, heads, head_step):
+            if head < heads_q:
+                rotate_head(q[b, s, head, None], q_out[b, s, head, None], j, runs_per_half, c,
+                            sn, run, interleaved)  # fmt: skip
+            else:
+                h = head - heads_q
+                rotate_head(k[b, s, h, None], k_out[b, s, h, None], j, runs_per_half, c, sn,
+                            run, interleaved)  # fmt: skip
 
 
 @cute.jit
 def launch_rope(
     q: cute.Tensor, k: cute.Tensor, q_out: cute.Tensor, k_out: cute.Tensor, cos, sin, inv_freq,
-    positions, runs_per_half: cutlass.Int32, threads: cutlass.Int32, stream: cuda.CUstream,
-    interleaved: cutlass.Constexpr[bool], inverse: cutlass.Constexpr[bool],
+    positions, runs_per_half: cutlass.Int32, tokens_per_block: cutlass.Int32,
+    threads: cutlass.Int32, stream: cuda.CUstream, interleaved: cutlass.Constexpr[bool],
+    inverse: cutlass.Constexpr[bool],
 ):  # fmt: skip
     run = VECTOR_BYTES * 8 // q.element_type.width
     tokens = cute.size(q, mode=[0]) * cute.size(q, mode=[1])
-    rope_kernel(q, k, q_out, k_out, cos, sin, inv_freq, positions, runs_per_half, run,
-                interleaved, inverse).launch(grid=[tokens, 1, 1], block=[threads, 1, 1],
-                                             stream=stream)  # fmt: skip
+    blocks = (tokens + tokens_per_block - 1) // tokens_per_block
+    rope_kernel(q, k, q_out, k_out, cos, sin, inv_freq, positions, runs_per_half,
+                tokens_per_block, run, interleaved, inverse).launch(
+        grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream)  # fmt: skip
 
 
 def build(dtype, table_dtype, position_dtype, interleaved, inverse, options=""):
@@ -182,7 +197,7 @@ def build(dtype, table_dtype, position_dtype, interleaved, inverse, options=""):
         positions = any_strides(POSITION_TYPES[position_dtype], (batch, seq))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     operands = (q, k, q_out, k_out, cos, sin, inv_freq, positions)
-    return cute.compile(launch_rope, *operands, 1, 1, stream, interleaved, inverse,
+    return cute.compile(launch_rope, *operands, 1, 1, 1, stream, interleaved, inverse,
                         options=f"--enable-tvm-ffi {options}")  # fmt: skip
 
 
@@ -211,11 +226,21 @@ def is_vector_friendly(t):
     )
 
 
-def block_threads(heads, runs_per_half):
-    """Threads of a token's block: a multiple of R, at most MAX_THREADS (or R), split so that
-    every thread visits the same number of heads, give or take one."""
-    passes = -(-heads * runs_per_half // max(MAX_THREADS, runs_per_half))
-    return -(-heads // passes) * runs_per_half
+def tokens_per_block(view):
+    """T, the tokens a block rotates: 1 when a token's heads lie together (B, S, H, D); where
+    a head's tokens do (B, H, S, D), enough that a block's piece of each head is HEAD_PIECE_BYTES
+    of consecutive memory (one token's head in bf16 with D = 128 is only 256)."""
+    if view.stride(1) >= view.stride(2):
+        return 1
+    return max(1, HEAD_PIECE_BYTES // (view.shape[3] * view.element_size()))
+
+
+def block_threads(heads, runs_per_half, tokens=1):
+    """Threads of a block of `tokens` tokens: a multiple of R T, at most MAX_THREADS (or R T),
+    split so that every thread visits the same number of heads, give or take one."""
+    width = runs_per_half * tokens
+    passes = -(-heads * width // max(MAX_THREADS, width))
+    return -(-heads // passes) * width
 
 
 def rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids, interleaved, layout,
@@ -242,8 +267,9 @@ def rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids, interleave
                             None if position_ids is None else position_ids.dtype, interleaved,
                             inverse)  # fmt: skip
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
-    kernel(*views, cos, sin, inv_freq, position_ids, runs_per_half,
-           block_threads(heads, runs_per_half))  # fmt: skip
+    tokens = tokens_per_block(views[0])
+    kernel(*views, cos, sin, inv_freq, position_ids, runs_per_half, tokens,
+           block_threads(heads, runs_per_half, tokens))  # fmt: skip
     return q_out, k_out
 
 

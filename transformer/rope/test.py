@@ -422,6 +422,25 @@ def test_cute_block_threads():
         assert threads % runs == 0 and threads <= max(cute_impl.MAX_THREADS, runs)
         assert (passes - 1) * threads < heads * runs <= passes * threads
     assert cute_impl.block_threads(40, 8) == 320 and cute_impl.block_threads(40, 16) == 320
+    for heads, runs, tokens in ((40, 8, 2), (40, 4, 4), (3, 8, 2), (7, 32, 1)):
+        threads = cute_impl.block_threads(heads, runs, tokens)
+        passes = -(-heads * runs * tokens // threads)
+        assert threads % (runs * tokens) == 0
+        assert threads <= max(cute_impl.MAX_THREADS, runs * tokens)
+        assert (passes - 1) * threads < heads * runs * tokens <= passes * threads
+    assert cute_impl.block_threads(40, 8, 2) == 320  # bf16 (B, H, S, D): 2 tokens, 2 passes
+
+
+@cute_installed
+def test_cute_tokens_per_block():
+    """One token a block where a token's heads lie together; where a head's tokens do, enough
+    tokens that a block's piece of each head is HEAD_PIECE_BYTES (bf16 D = 128: 2)."""
+    bshd = torch.empty(2, 16, 40, 128, dtype=torch.bfloat16)
+    bhsd = torch.empty(2, 40, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert cute_impl.tokens_per_block(bshd) == 1
+    assert cute_impl.tokens_per_block(bhsd) == cute_impl.HEAD_PIECE_BYTES // 256 == 2
+    assert cute_impl.tokens_per_block(bhsd.float()) == 1  # float32 of D = 128: 512 bytes
+    assert cute_impl.tokens_per_block(bhsd[..., :64]) == 4
 
 
 @pytest.mark.skipif(cute_impl is None or ON_GPU, reason="CPU tensors: checked where no GPU is")
@@ -482,7 +501,7 @@ def test_cute_entry_takes_each_operands_layout(source, positions):
     operands = [q, k, torch.empty_like(q), k_out, cos, sin, angles.get("inv_freq"), position_ids]
     labelled = [None if t is None else cuda_labelled(t) for t in operands]
     with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
-        kernel(*labelled, 1, cute_impl.block_threads(heads + heads_k, 1))
+        kernel(*labelled, 1, 1, cute_impl.block_threads(heads + heads_k, 1))
 
 
 @cpu_only_cute
@@ -496,7 +515,7 @@ def test_cute_entry_refuses_misaligned_heads():
     operands = [q, k, torch.empty(q.shape, dtype=q.dtype), torch.empty_like(k)]
     with pytest.raises(ValueError, match="Misaligned"):
         kernel(*(cuda_labelled(t) for t in operands), None, None,
-               cuda_labelled(torch.ones(8)), None, 1, 8)  # fmt: skip
+               cuda_labelled(torch.ones(8)), None, 1, 1, 8)  # fmt: skip
 
 
 # (5) GPU only --------------------------------------------------------------------------------
@@ -507,13 +526,16 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="large sizes need a CUDA GPU")
 @gpu_only
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_llama_size_against_float64(impl, dtype):
-    """B = 4, S = 4096, H = 32, Hk = 8, D = 128 with Llama 3's angles, both directions; the
-    reference is already float64 torch, fast enough at this size."""
-    q, k = random_heads(4, 4096, 32, 128, dtype), random_heads(4, 4096, 8, 128, dtype)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_llama_size_against_float64(impl, dtype, layout):
+    """B = 4, S = 4095 (in (B, H, S, D) a bf16 block of two tokens straddles each batch
+    boundary), H = 32, Hk = 8, D = 128 with Llama 3's angles, both directions, in both layouts;
+    the reference is already float64 torch, fast enough at this size."""
+    q = random_heads(4, 4095, 32, 128, dtype, layout)
+    k = random_heads(4, 4095, 8, 128, dtype, layout)
     inv_freq = reference.inverse_frequencies(128, 500000.0).to(DEVICE)
     for direction in ("forward", "backward"):
-        check(impl, direction, q, k, inv_freq=inv_freq)
+        check(impl, direction, q, k, inv_freq=inv_freq, layout=layout)
 
 
 if __name__ == "__main__":
