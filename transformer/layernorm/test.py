@@ -1023,14 +1023,16 @@ def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction, row_tiles", [("forward", 0), ("backward", 0),
+                                                   ("backward", 1), ("backward", 2)])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, dtype):
-    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
-    the any-stride build), the warp shuffles of block_sum, and in the forward the
-    rsqrt.approx.ftz.f32 README.md's bound counts."""
-    vector = cute_impl.ptx_of(direction, dtype, contiguous=True)
-    scalar = cute_impl.ptx_of(direction, dtype, contiguous=False)
+def test_cute_ptx(direction, row_tiles, dtype):
+    """The CuTe kernels build for sm_90a (the backward's rows kernel once per count of tiles
+    held): 128-bit loads and stores on the vector path (none in the any-stride build), the
+    warp shuffles of block_sum, and in the forward the rsqrt.approx.ftz.f32 README.md's bound
+    counts."""
+    vector = cute_impl.ptx_of(direction, dtype, True, row_tiles)
+    scalar = cute_impl.ptx_of(direction, dtype, False, row_tiles)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
     assert "shfl.sync.bfly" in vector
@@ -1050,12 +1052,18 @@ def test_cute_mixed_precision_and_sum_build():
 
 def test_cute_paths_match_the_tile():
     """The counts README.md's bound uses: one tile of 4096 16-bit (2048 float32) elements
-    gives log2 V + 1 + 8 additions, and the shift is that tile's mean."""
+    gives log2 V + 1 + 8 additions, and the shift is that tile's mean; a column's partials
+    add 64 rows, then a slice of 512 / 8 groups, then the 8 slices. Rows of up to 8192
+    elements in every dtype go to the rows kernel."""
     if cute_impl is None:
         pytest.skip(CUTE_MISSING)
     assert cute_impl.statistics_path(4096, torch.bfloat16) == (4 + 1 + 8, 4096)
     assert cute_impl.statistics_path(4097, torch.float32) == (3 + 3 + 8, 2048)
-    assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 512)
+    assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 64 + 8)
+    tiles = [cute_impl.row_tiles_of(n, dtype) for n, dtype in [
+        (1, torch.bfloat16), (4096, torch.float16), (8192, torch.bfloat16),
+        (8193, torch.bfloat16), (8192, torch.float32), (8193, torch.float32)]]  # fmt: skip
+    assert tiles == [1, 1, 2, 0, 4, 0]
 
 
 def cuda_labelled(t):
@@ -1092,10 +1100,11 @@ def test_cute_backward_entry_takes_the_partials(m, n):
     4 N, once raised 'Misaligned Tensor data' on the H200); so does the sum over the groups."""
     x, dy, dx, w = torch.randn(m, n), torch.randn(m, n), torch.empty(m, n), torch.randn(n)
     groups, rows_per_group = cute_impl.row_groups(m)
-    partials = cute_impl.partial_rows(groups, n, x.device)
+    row_tiles = cute_impl.row_tiles_of(n, torch.float32)  # the rows kernel: 1 or 3 tiles
+    partials = cute_impl.partial_rows(groups, n, x.device, zeroed=not row_tiles)
     vector = all(cute_impl.is_vector_friendly(t) for t in (x, dy, dx, w, partials[0]))
     assert vector == (m == 1)
-    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector)
+    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector, row_tiles)
     operands = (x, w, torch.zeros(m), torch.ones(m), dy, dx, partials[0], partials[1])
     with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
         kernel(*map(cuda_labelled, operands), rows_per_group, 1.0 / n)
