@@ -860,7 +860,7 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
     x[2, :16] += 50
     forward_then_backward("triton", x, random_rows(7, n, dtype))
     assert triton_impl.statistics_path(n, dtype) == (-(-n // 16) - 1 + 4, 16)
-    assert triton_impl.backward_path(7, n, dtype)[1] == 2 + 4  # 4 groups of 2 rows
+    assert triton_impl.backward_path(7, n, dtype)[1] == 2 + 1 + 2  # 4 groups of 2 rows, 4 slices
 
 
 def test_triton_dispatch():
@@ -881,7 +881,8 @@ def test_triton_dispatch():
     assert triton_impl.row_groups(32768, 1024) == (512, 64)  # 32 steps of 2 rows
     assert triton_impl.row_groups(1000, 128) == (63, 16)  # one step of 16 rows each
     assert triton_impl.row_groups(1000, 8193) == (500, 2)  # looped: a row a step
-    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 512)
+    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 16 + 5)
+    assert [triton_impl.partial_slices(g) for g in (1, 3, 4, 31, 512)] == [1, 4, 4, 32, 32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -895,8 +896,22 @@ def test_triton_row_blocks_in_groups(dtype, kind, monkeypatch):
     monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 4)
     assert triton_impl.rows_launch(37, 100, triton_impl.BACKWARD_ROW_BLOCK_MAX)[:2] == (4, 128)
     assert triton_impl.row_groups(37, 100) == (4, 12)
-    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 4)
+    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 1 + 2)
     forward_then_backward("triton", random_rows(37, 100, dtype), random_rows(37, 100, dtype), kind)
+
+
+@pytest.mark.parametrize("kind", ["affine", "weight only"])
+def test_triton_partial_slices(kind, monkeypatch):
+    """3 row groups summed 2 slices at a time: the second load of the slices runs past the last
+    group (masked: it adds 0), and backward_path counts 2 adds a slice and 1 tree level; an
+    absent dbias is not written (both planes are summed in one launch)."""
+    monkeypatch.setattr(triton_impl, "PROGRAM_ELEMS_MIN", 64)
+    monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 3)
+    monkeypatch.setattr(triton_impl, "PARTIAL_SLICES", 2)
+    assert triton_impl.row_groups(7, 40) == (3, 3)
+    assert triton_impl.backward_path(7, 40, torch.float32)[1] == 0 + 3 + 2 + 1
+    x, dy = random_rows(7, 40, torch.float32), random_rows(7, 40, torch.float32)
+    forward_then_backward("triton", x, dy, kind)
 
 
 def test_triton_looped_at_real_size():
@@ -939,12 +954,12 @@ def launch_cases():
     yield both(random_rows(2, 40000, torch.bfloat16))
 
 
-# Each case: a forward, the backward and its two partials sums (none without parameters).
-# Some cases change nothing for some kernels (the backwards after the strided and the
-# misaligned x see contiguous, aligned dy and dx; the int eps is the float32 case again):
-# 30 keys in all. Leaving the dbias partials out of specialisation() serves n = 98 the
-# kernel compiled for n = 100: 29.
-MIN_SPECIALISATIONS = 30
+# Each case: a forward, the backward and one sum of both partial planes (none without
+# parameters). Some cases change nothing for some kernels (the backwards after the strided and
+# the misaligned x see contiguous, aligned dy and dx; the int eps is the float32 case again):
+# 29 keys in all (30 while each plane had its own sum launch: n = 98 misaligned the dbias
+# plane's start, now an offset the kernel adds to an aligned base).
+MIN_SPECIALISATIONS = 29
 
 # --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
 
