@@ -12,14 +12,18 @@ forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sum
          (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
          q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
          (the last tile is still in registers, the others likely in L2): y = xhat w + b.
-backward one block per row group (`row_groups`): per row, pass 1 sums g
-         and g xhat (`block_sum`), pass 2 writes dx and adds dy xhat and dy into the group's
-         float32 partial rows; `sum_partials_kernel` adds the groups in order.
+backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_MAX values a
+         thread (`layernorm_backward_rows_kernel`): the row's x and dy read once into
+         registers, g and g xhat summed (`block_sum`), dx written, dy xhat and dy added into
+         the group's sums in registers, written once as two float32 partial rows. Longer
+         rows (`layernorm_backward_kernel`): per row, pass 1 sums g and g xhat, pass 2 writes
+         dx and adds into the group's partial rows in memory. `sum_partials_kernel`: per
+         column, eight slices of the groups in order, then the slices in order.
 
 Every sum is a fixed tree, so the same inputs give the same bits; `statistics_path` and
-`backward_path` export what README.md's bound counts. Rows in registers for short N, several
-rows per block, and rows of N >= 32768 spread over a thread-block cluster are not done yet
-(README.md, open questions).
+`backward_path` export what README.md's bound counts. Rows in registers in the forward,
+several rows per block, and rows of N >= 32768 spread over a thread-block cluster are not
+done yet (README.md, open questions).
 """
 
 import functools
@@ -337,7 +341,7 @@ def sum_partials_kernel(partials: cute.Tensor, out: cute.Tensor, groups: cutlass
             total = total + partials[group, col]
     slice_sums[warp, lane] = total
     cute.arch.sync_threads()  # every slice's sum is in shared memory before warp 0 reads
-    if warp == 0 and col < n:
+    if warp == 0 and col < n:  # (the DSL lowers `and` to a predicate: PTX or.pred)
         total = cutlass.Float32(0.0)
         for k in cutlass.range_constexpr(WARPS_PER_BLOCK):
             total = total + slice_sums[k, lane]

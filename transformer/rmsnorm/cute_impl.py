@@ -325,7 +325,7 @@ def sum_partials_kernel(partials: cute.Tensor, dweight: cute.Tensor, groups: cut
             total = total + partials[group, col]
     slice_sums[warp, lane] = total
     cute.arch.sync_threads()  # every slice's sum is in shared memory before warp 0 reads
-    if warp == 0 and col < n:
+    if warp == 0 and col < n:  # (the DSL lowers `and` to a predicate: PTX or.pred)
         total = cutlass.Float32(0.0)
         for k in cutlass.range_constexpr(WARPS_PER_BLOCK):
             total = total + slice_sums[k, lane]
