@@ -12,14 +12,18 @@ forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sum
          (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
          q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
          (the last tile is still in registers, the others likely in L2): y = xhat w + b.
-backward one block per row group (`row_groups`): per row, pass 1 sums g
-         and g xhat (`block_sum`), pass 2 writes dx and adds dy xhat and dy into the group's
-         float32 partial rows; `sum_partials_kernel` adds the groups in order.
+backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_MAX values a
+         thread (`layernorm_backward_rows_kernel`): the row's x and dy read once into
+         registers, g and g xhat summed (`block_sum`), dx written, dy xhat and dy added into
+         the group's sums in registers, written once as two float32 partial rows. Longer
+         rows (`layernorm_backward_kernel`): per row, pass 1 sums g and g xhat, pass 2 writes
+         dx and adds into the group's partial rows in memory. `sum_partials_kernel`: per
+         column, eight slices of the groups in order, then the slices in order.
 
 Every sum is a fixed tree, so the same inputs give the same bits; `statistics_path` and
-`backward_path` export what README.md's bound counts. Rows in registers for short N, several
-rows per block, and rows of N >= 32768 spread over a thread-block cluster are not done yet
-(README.md, open questions).
+`backward_path` export what README.md's bound counts. Rows in registers in the forward,
+several rows per block, and rows of N >= 32768 spread over a thread-block cluster are not
+done yet (README.md, open questions).
 """
 
 import functools
@@ -43,6 +47,9 @@ VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
 # use, in 16 (16-bit data) or 8 (float32) float32 registers per operand.
 VECTORS_PER_THREAD = 2
 PARTIALS_MAX = 512  # the backward's row groups, as in triton_impl.py
+# The rows kernel keeps x, dy, w and the group's dweight and dbias in float32 registers, this
+# many values of each a thread (5 * 32 = 160 registers): rows of up to 256 * 32 = 8192 elements.
+ROW_REGISTERS_MAX = 32
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -265,16 +272,79 @@ def layernorm_backward_kernel(
 
 
 @cute.kernel
+def layernorm_backward_rows_kernel(
+    x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
+    dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor, m: cutlass.Int32,
+    n: cutlass.Int32, rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, copies,
+    tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+    row_tiles: cutlass.Constexpr[int],
+):  # fmt: skip
+    """The backward of a group of rows that fit the block's registers (row_tiles tiles): x and
+    dy read once, dx written once; dy xhat and dy summed over the group's rows in registers
+    and written once as the group's two partial rows. backward_row's trees: the same bits."""
+    x_copies, w_copies, partial_copies = copies
+    group, _, _ = cute.arch.block_idx()
+    xs, dys, ws, dws, dbs = (
+        [cute.make_rmem_tensor(per_thread, cutlass.Float32) for _ in range(row_tiles)]
+        for _ in range(5)
+    )
+    for tile in cutlass.range_constexpr(row_tiles):
+        dws[tile].fill(0.0)
+        dbs[tile].fill(0.0)
+        load_tile(w_copies, w, tile, n, tile_elems, 0.0, ws[tile])
+    first = group * rows_per_group
+    for row in cutlass.range(first, cutlass.min(first + rows_per_group, m)):
+        row_mean, row_rstd = mean[row], rstd[row]
+        for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
+            load_tile(x_copies, x[row, None], tile, n, tile_elems, 0.0, xs[tile])
+            load_tile(x_copies, dy[row, None], tile, n, tile_elems, 0.0, dys[tile])
+        thread_a, thread_b = cutlass.Float32(0.0), cutlass.Float32(0.0)
+        for tile in cutlass.range_constexpr(row_tiles):
+            g = [dys[tile][j] * ws[tile][j] for j in range(per_thread)]
+            xhat = [(xs[tile][j] - row_mean) * row_rstd for j in range(per_thread)]
+            thread_a = thread_a + pairwise_sum(g)
+            thread_b = thread_b + pairwise_sum([g[j] * xhat[j] for j in range(per_thread)])
+        # Two block_sums, two shared buffers: a warp writes this buffer again only after the
+        # next row's second barrier, which every warp reaches after reading it.
+        a, b = block_sum(thread_a) * inv_n, block_sum(thread_b) * inv_n
+        for tile in cutlass.range_constexpr(row_tiles):
+            for j in cutlass.range_constexpr(per_thread):
+                xhat = (xs[tile][j] - row_mean) * row_rstd
+                dws[tile][j] = dws[tile][j] + dys[tile][j] * xhat
+                dbs[tile][j] = dbs[tile][j] + dys[tile][j]
+                xs[tile][j] = (dys[tile][j] * ws[tile][j] - a - xhat * b) * row_rstd
+            store_tile(x_copies, dx[row, None], tile, n, tile_elems, xs[tile])
+    for tile in cutlass.range_constexpr(row_tiles):
+        store_tile(partial_copies, dw_partial[group, None], tile, n, tile_elems, dws[tile])
+        store_tile(partial_copies, db_partial[group, None], tile, n, tile_elems, dbs[tile])
+
+
+@cute.kernel
 def sum_partials_kernel(partials: cute.Tensor, out: cute.Tensor, groups: cutlass.Int32,
                         n: cutlass.Int32):  # fmt: skip
-    """out[j] = the sum over groups of partials[group, j], in group order, rounded once."""
+    """out[j] = column j of the partials added in a fixed order, rounded once: a block owns
+    WARP_SIZE columns (a lane each: 128-byte rows of float32), warp k adds the k-th of
+    WARPS_PER_BLOCK contiguous slices of the groups in group order, then the slices' sums are
+    added in warp order. The slices keep WARPS_PER_BLOCK loads per column in flight."""
     block, _, _ = cute.arch.block_idx()
-    thread, _, _ = cute.arch.thread_idx()
-    col = block * THREADS_PER_BLOCK + thread
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    slice_sums = cute.make_tensor(
+        cute.arch.alloc_smem(cutlass.Float32, THREADS_PER_BLOCK),
+        cute.make_layout((WARPS_PER_BLOCK, WARP_SIZE), stride=(WARP_SIZE, 1)),
+    )
+    col = block * WARP_SIZE + lane
+    per_slice = (groups + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    total = cutlass.Float32(0.0)
     if col < n:
-        total = cutlass.Float32(0.0)
-        for group in cutlass.range(groups):
+        first = warp * per_slice
+        for group in cutlass.range(first, cutlass.min(first + per_slice, groups), unroll=8):
             total = total + partials[group, col]
+    slice_sums[warp, lane] = total
+    cute.arch.sync_threads()  # every slice's sum is in shared memory before warp 0 reads
+    if warp == 0 and col < n:  # (the DSL lowers `and` to a predicate: PTX or.pred)
+        total = cutlass.Float32(0.0)
+        for k in cutlass.range_constexpr(WARPS_PER_BLOCK):
+            total = total + slice_sums[k, lane]
         out[col] = total.to(out.element_type)
 
 
@@ -323,8 +393,9 @@ def launch_backward(
     x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
     dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor,
     rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, stream: cuda.CUstream,
-    vector: cutlass.Constexpr[bool],
+    vector: cutlass.Constexpr[bool], row_tiles: cutlass.Constexpr[int],
 ):  # fmt: skip
+    """row_tiles > 0: the rows kernel; 0: a row at a time through zeroed partial rows."""
     m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
     groups = cutlass.Int32(cute.size(dw_partial, mode=[0]))
     tile_elems, per_thread, run = tile_shape(x.element_type.width)
@@ -333,17 +404,20 @@ def launch_backward(
         tiled_copies(w.element_type, run, vector),
         tiled_copies(cutlass.Float32, run, vector),
     )
-    layernorm_backward_kernel(
-        x, w, mean, rstd, dy, dx, dw_partial, db_partial, m, n, rows_per_group, inv_n, copies,
-        tile_elems, per_thread,
-    ).launch(grid=[groups, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)  # fmt: skip
+    operands = (x, w, mean, rstd, dy, dx, dw_partial, db_partial, m, n, rows_per_group, inv_n,
+                copies, tile_elems, per_thread)  # fmt: skip
+    if cutlass.const_expr(row_tiles > 0):
+        kernel = layernorm_backward_rows_kernel(*operands, row_tiles)
+    else:
+        kernel = layernorm_backward_kernel(*operands)
+    kernel.launch(grid=[groups, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
 
 
 @cute.jit
 def launch_sum(partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
     groups = cutlass.Int32(cute.size(partials, mode=[0]))
     n = cutlass.Int32(cute.size(partials, mode=[1]))
-    blocks = (n + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
+    blocks = (n + WARP_SIZE - 1) // WARP_SIZE
     sum_partials_kernel(partials, out, groups, n).launch(
         grid=[blocks, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream
     )
@@ -372,9 +446,10 @@ def fake_stats(m):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (m,), stride=(cute.sym_int64(),))
 
 
-def build(direction, dtype, parameter_dtype, vector, options=""):
-    """cute.compile the forward or backward launcher for TVM-FFI calls on torch tensors, on
-    torch's current stream; the operands share symbolic M and N."""
+def build(direction, dtype, parameter_dtype, vector, row_tiles=0, options=""):
+    """cute.compile the forward or backward (`row_tiles` as row_tiles_of gives it) launcher for
+    TVM-FFI calls on torch tensors, on torch's current stream; the operands share symbolic M
+    and N."""
     m, n, groups = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
     x_type, p_type = TORCH_TO_CUTLASS[dtype], TORCH_TO_CUTLASS[parameter_dtype]
     run = tile_shape(x_type.width)[2]
@@ -390,14 +465,17 @@ def build(direction, dtype, parameter_dtype, vector, options=""):
         operands = (rows(x_type), fake_vector(p_type, n, vector), fake_stats(m), fake_stats(m),
                     rows(x_type), rows(x_type), partial, partial, cutlass.Int32(1),
                     cutlass.Float32(1.0))  # fmt: skip
-        launcher = launch_backward
-    return cute.compile(launcher, *operands, stream, vector, options=f"--enable-tvm-ffi {options}")
+        launcher, operands = launch_backward, (*operands, stream, vector, row_tiles)
+    if direction == "forward":
+        operands = (*operands, stream, vector)
+    return cute.compile(launcher, *operands, options=f"--enable-tvm-ffi {options}")
 
 
 @functools.cache
-def compile_kernel(direction, dtype, parameter_dtype, vector):
-    """The compiled launcher, built once per (direction, dtypes, access width) and cached."""
-    return build(direction, dtype, parameter_dtype, vector).__tvm_ffi_object__()
+def compile_kernel(direction, dtype, parameter_dtype, vector, row_tiles=0):
+    """The compiled launcher, built once per (direction, dtypes, access width, tiles held) and
+    cached."""
+    return build(direction, dtype, parameter_dtype, vector, row_tiles).__tvm_ffi_object__()
 
 
 @functools.cache
@@ -411,11 +489,11 @@ def compile_sum(dtype):
     return cute.compile(launch_sum, partials, out, stream, options="--enable-tvm-ffi")
 
 
-def ptx_of(direction, dtype, contiguous):
+def ptx_of(direction, dtype, contiguous, row_tiles=0):
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(direction, dtype, dtype, contiguous, options).__ptx__
+        return build(direction, dtype, dtype, contiguous, row_tiles, options).__ptx__
 
 
 def is_vector_friendly(t):
@@ -435,6 +513,14 @@ def row_groups(m):
     return -(-m // rows_per_group), rows_per_group
 
 
+@functools.cache
+def row_tiles_of(n, dtype):
+    """The tiles of a row the rows kernel holds in registers, or 0: a row at a time."""
+    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8)
+    tiles = -(-n // tile_elems)
+    return tiles if tiles * per_thread <= ROW_REGISTERS_MAX else 0
+
+
 def statistics_path(n, dtype):
     """(k, C) of README.md's bound: a tile's pairwise tree (log2 V), an add per tile into the
     thread's sum, and block_sum's 8 levels; the shift is the mean of the first tile."""
@@ -445,9 +531,11 @@ def statistics_path(n, dtype):
 
 def backward_path(m, n, dtype):
     """(row additions, column additions): as the forward's row sums; a group's rows one after
-    another into its partial row (which starts at 0), then the groups in order."""
+    another into its partial row (which starts at 0), then sum_partials_kernel: the groups of
+    a slice in order, then the WARPS_PER_BLOCK slices."""
     groups, rows_per_group = row_groups(m)
-    return statistics_path(n, dtype)[0], rows_per_group + groups
+    slices = -(-groups // WARPS_PER_BLOCK) + WARPS_PER_BLOCK
+    return statistics_path(n, dtype)[0], rows_per_group + slices
 
 
 @functools.lru_cache(maxsize=16)
@@ -486,13 +574,15 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     return y, mean, rstd
 
 
-def partial_rows(groups, n, device):
-    """The backward's two float32 partial planes (dweight's, dbias's), zeros, (groups, N) each.
+def partial_rows(groups, n, device, zeroed=True):
+    """The backward's two float32 partial planes (dweight's, dbias's), (groups, N) each; zeros
+    for the row-at-a-time kernel, which adds into them (the rows kernel writes them once).
     Rows padded to whole 32-byte runs (8 floats, a 16-bit x's run), so that every row of both
     planes, the second plane's first included, starts on a 16-byte boundary with a row stride
     the vector build accepts."""
     padded = -(-n // 8) * 8
-    return torch.zeros(2, groups, padded, dtype=torch.float32, device=device)[..., :n]
+    make = torch.zeros if zeroed else torch.empty
+    return make(2, groups, padded, dtype=torch.float32, device=device)[..., :n]
 
 
 def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
@@ -507,9 +597,10 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
     (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
     n, (groups, rows_per_group) = x_rows.shape[1], row_groups(x_rows.shape[0])
-    partials = partial_rows(groups, n, x.device)
+    row_tiles = row_tiles_of(n, x.dtype)
+    partials = partial_rows(groups, n, x.device, zeroed=not row_tiles)
     vector = all(is_vector_friendly(t) for t in (x_rows, dy_rows, dx_rows, w, partials[0]))
-    kernel = compile_kernel("backward", x.dtype, w.dtype, vector)
+    kernel = compile_kernel("backward", x.dtype, w.dtype, vector, row_tiles)
     kernel(x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1],
            rows_per_group, 1.0 / n)  # fmt: skip
     for out, k in sums:

@@ -860,7 +860,7 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
     x[2, :16] += 50
     forward_then_backward("triton", x, random_rows(7, n, dtype))
     assert triton_impl.statistics_path(n, dtype) == (-(-n // 16) - 1 + 4, 16)
-    assert triton_impl.backward_path(7, n, dtype)[1] == 2 + 4  # 4 groups of 2 rows
+    assert triton_impl.backward_path(7, n, dtype)[1] == 2 + 1 + 2  # 4 groups of 2 rows, 4 slices
 
 
 def test_triton_dispatch():
@@ -881,7 +881,8 @@ def test_triton_dispatch():
     assert triton_impl.row_groups(32768, 1024) == (512, 64)  # 32 steps of 2 rows
     assert triton_impl.row_groups(1000, 128) == (63, 16)  # one step of 16 rows each
     assert triton_impl.row_groups(1000, 8193) == (500, 2)  # looped: a row a step
-    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 512)
+    assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 16 + 5)
+    assert [triton_impl.partial_slices(g) for g in (1, 3, 4, 31, 512)] == [1, 4, 4, 32, 32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -895,8 +896,22 @@ def test_triton_row_blocks_in_groups(dtype, kind, monkeypatch):
     monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 4)
     assert triton_impl.rows_launch(37, 100, triton_impl.BACKWARD_ROW_BLOCK_MAX)[:2] == (4, 128)
     assert triton_impl.row_groups(37, 100) == (4, 12)
-    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 4)
+    assert triton_impl.backward_path(37, 100, dtype) == (7, 3 + 3 + 1 + 2)
     forward_then_backward("triton", random_rows(37, 100, dtype), random_rows(37, 100, dtype), kind)
+
+
+@pytest.mark.parametrize("kind", ["affine", "weight only"])
+def test_triton_partial_slices(kind, monkeypatch):
+    """3 row groups summed 2 slices at a time: the second load of the slices runs past the last
+    group (masked: it adds 0), and backward_path counts 2 adds a slice and 1 tree level; an
+    absent dbias is not written (both planes are summed in one launch)."""
+    monkeypatch.setattr(triton_impl, "PROGRAM_ELEMS_MIN", 64)
+    monkeypatch.setattr(triton_impl, "PARTIALS_MAX", 3)
+    monkeypatch.setattr(triton_impl, "PARTIAL_SLICES", 2)
+    assert triton_impl.row_groups(7, 40) == (3, 3)
+    assert triton_impl.backward_path(7, 40, torch.float32)[1] == 0 + 3 + 2 + 1
+    x, dy = random_rows(7, 40, torch.float32), random_rows(7, 40, torch.float32)
+    forward_then_backward("triton", x, dy, kind)
 
 
 def test_triton_looped_at_real_size():
@@ -939,12 +954,12 @@ def launch_cases():
     yield both(random_rows(2, 40000, torch.bfloat16))
 
 
-# Each case: a forward, the backward and its two partials sums (none without parameters).
-# Some cases change nothing for some kernels (the backwards after the strided and the
-# misaligned x see contiguous, aligned dy and dx; the int eps is the float32 case again):
-# 30 keys in all. Leaving the dbias partials out of specialisation() serves n = 98 the
-# kernel compiled for n = 100: 29.
-MIN_SPECIALISATIONS = 30
+# Each case: a forward, the backward and one sum of both partial planes (none without
+# parameters). Some cases change nothing for some kernels (the backwards after the strided and
+# the misaligned x see contiguous, aligned dy and dx; the int eps is the float32 case again):
+# 29 keys in all (30 while each plane had its own sum launch: n = 98 misaligned the dbias
+# plane's start, now an offset the kernel adds to an aligned base).
+MIN_SPECIALISATIONS = 29
 
 # --- The launch: Triton's host work done once per specialisation (triton_impl.launch) ---
 
@@ -1023,14 +1038,16 @@ def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction, row_tiles", [("forward", 0), ("backward", 0),
+                                                   ("backward", 1), ("backward", 2)])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, dtype):
-    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
-    the any-stride build), the warp shuffles of block_sum, and in the forward the
-    rsqrt.approx.ftz.f32 README.md's bound counts."""
-    vector = cute_impl.ptx_of(direction, dtype, contiguous=True)
-    scalar = cute_impl.ptx_of(direction, dtype, contiguous=False)
+def test_cute_ptx(direction, row_tiles, dtype):
+    """The CuTe kernels build for sm_90a (the backward's rows kernel once per count of tiles
+    held): 128-bit loads and stores on the vector path (none in the any-stride build), the
+    warp shuffles of block_sum, and in the forward the rsqrt.approx.ftz.f32 README.md's bound
+    counts."""
+    vector = cute_impl.ptx_of(direction, dtype, True, row_tiles)
+    scalar = cute_impl.ptx_of(direction, dtype, False, row_tiles)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
     assert "shfl.sync.bfly" in vector
@@ -1050,12 +1067,18 @@ def test_cute_mixed_precision_and_sum_build():
 
 def test_cute_paths_match_the_tile():
     """The counts README.md's bound uses: one tile of 4096 16-bit (2048 float32) elements
-    gives log2 V + 1 + 8 additions, and the shift is that tile's mean."""
+    gives log2 V + 1 + 8 additions, and the shift is that tile's mean; a column's partials
+    add 64 rows, then a slice of 512 / 8 groups, then the 8 slices. Rows of up to 8192
+    elements in every dtype go to the rows kernel."""
     if cute_impl is None:
         pytest.skip(CUTE_MISSING)
     assert cute_impl.statistics_path(4096, torch.bfloat16) == (4 + 1 + 8, 4096)
     assert cute_impl.statistics_path(4097, torch.float32) == (3 + 3 + 8, 2048)
-    assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 512)
+    assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 64 + 8)
+    tiles = [cute_impl.row_tiles_of(n, dtype) for n, dtype in [
+        (1, torch.bfloat16), (4096, torch.float16), (8192, torch.bfloat16),
+        (8193, torch.bfloat16), (8192, torch.float32), (8193, torch.float32)]]  # fmt: skip
+    assert tiles == [1, 1, 2, 0, 4, 0]
 
 
 def cuda_labelled(t):
@@ -1092,10 +1115,11 @@ def test_cute_backward_entry_takes_the_partials(m, n):
     4 N, once raised 'Misaligned Tensor data' on the H200); so does the sum over the groups."""
     x, dy, dx, w = torch.randn(m, n), torch.randn(m, n), torch.empty(m, n), torch.randn(n)
     groups, rows_per_group = cute_impl.row_groups(m)
-    partials = cute_impl.partial_rows(groups, n, x.device)
+    row_tiles = cute_impl.row_tiles_of(n, torch.float32)  # the rows kernel: 1 or 3 tiles
+    partials = cute_impl.partial_rows(groups, n, x.device, zeroed=not row_tiles)
     vector = all(cute_impl.is_vector_friendly(t) for t in (x, dy, dx, w, partials[0]))
     assert vector == (m == 1)
-    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector)
+    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector, row_tiles)
     operands = (x, w, torch.zeros(m), torch.ones(m), dy, dx, partials[0], partials[1])
     with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
         kernel(*map(cuda_labelled, operands), rows_per_group, 1.0 / n)

@@ -61,7 +61,10 @@ ELEMS_PER_THREAD = 16
 # enough that the partial rows (PARTIALS_MAX x N float32) cost little. A constant, not the
 # device's SM count, so the summation tree depends on the shape alone.
 PARTIALS_MAX = 512
-PARTIAL_COLUMNS = 1024  # columns per program of sum_partials_kernel
+# sum_partials_kernel: PARTIAL_COLUMNS columns a program (N / 32 programs: 128 at N = 4096),
+# up to PARTIAL_SLICES groups of a column loaded at once (2 x 32 x 32 values: 16 a thread).
+PARTIAL_COLUMNS = 32
+PARTIAL_SLICES = 32
 
 
 @triton.jit
@@ -255,13 +258,30 @@ def layernorm_backward_looped_kernel(
 
 
 @triton.jit
-def sum_partials_kernel(partial_ptr, out_ptr, groups, n, stride_out, BLOCK: tl.constexpr):
-    """out[j] = the sum over groups of partial[group, j], in group order, rounded once."""
+def sum_partials_kernel(
+    partial_ptr, dw_ptr, db_ptr, groups, n, stride_dw, stride_db, BLOCK: tl.constexpr,
+    SLICES: tl.constexpr, LOG2_SLICES: tl.constexpr, HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+):  # fmt: skip
+    """dweight[j] and dbias[j] = column j of the two partial planes added in a fixed order,
+    rounded once: slice s adds groups s, s + SLICES, s + 2 SLICES, ... in that order (SLICES
+    loads of a column in flight, where one group at a time left the load latency exposed
+    groups times), then the SLICES sums meet in one joined pairwise tree."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    total = tl.zeros([BLOCK], tl.float32)
-    for group in range(0, groups):
-        total += tl.load(partial_ptr + group * n + cols, mask=cols < n, other=0.0)
-    tl.store(out_ptr + cols * stride_out, total.to(out_ptr.dtype.element_ty), mask=cols < n)
+    offs_s = tl.arange(0, SLICES)
+    dw_lanes = tl.zeros([BLOCK, SLICES], tl.float32)
+    db_lanes = tl.zeros([BLOCK, SLICES], tl.float32)
+    for first in range(0, groups, SLICES):
+        offs_g = first + offs_s
+        mask = (cols[:, None] < n) & (offs_g[None, :] < groups)
+        ptrs = partial_ptr + offs_g[None, :] * n + cols[:, None]
+        dw_lanes += tl.load(ptrs, mask=mask, other=0.0)
+        db_lanes += tl.load(ptrs + groups * n, mask=mask, other=0.0)  # the second plane
+    dw, db = pairwise_sums(dw_lanes, db_lanes, LOG2_SLICES)
+    if HAS_DW:
+        tl.store(dw_ptr + cols * stride_dw, dw.to(dw_ptr.dtype.element_ty), mask=cols < n)
+    if HAS_DB:
+        tl.store(db_ptr + cols * stride_db, db.to(db_ptr.dtype.element_ty), mask=cols < n)
 
 
 # Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.
@@ -389,6 +409,14 @@ def rows_launch(m, n, block_max):
     return rows, block_n, num_warps
 
 
+def backward_warps(num_warps, dtype):
+    """The backward rows kernel's warps: rows_launch's for 16-bit x, twice as many (at most
+    32) for float32, whose loads and sums hold twice the registers: at N = 4096 (ptxas, sm_90)
+    8 warps take 150 registers a thread, one program and 8 warps an SM, where 16 warps take
+    96 (16 warps an SM, as bf16's two programs of 8 warps at 117 registers)."""
+    return min(2 * num_warps, 32) if dtype.itemsize == 4 else num_warps
+
+
 def row_groups(m, n):
     """(groups, rows per group) of the backward: m rows cut into at most PARTIALS_MAX runs of
     equal length (the last may be shorter), one program and one partial row each; a run is a
@@ -410,10 +438,15 @@ def statistics_path(n, dtype):
     return -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1, CHUNK
 
 
+def partial_slices(groups):
+    """sum_partials_kernel's slices: PARTIAL_SLICES, or groups' next power of two if fewer."""
+    return min(PARTIAL_SLICES, 1 << (groups - 1).bit_length())
+
+
 def backward_path(m, n, dtype):
     """(row additions into a and b, column additions into dweight and dbias): the row's tree
     as in the forward; a step's ROWS rows by tl.sum (any order: ROWS - 1), one add a step into
-    the group's sums, then the groups in order."""
+    the group's sums, then sum_partials_kernel: one add per group of a slice, the slices' tree."""
     tile = rows_launch(max(m, 1), n, BACKWARD_ROW_BLOCK_MAX)
     if tile is not None:
         rows, block_n, _ = tile
@@ -421,7 +454,9 @@ def backward_path(m, n, dtype):
     else:
         rows, row = 1, -(-n // CHUNK) - 1 + CHUNK.bit_length() - 1
     groups, rows_per_group = row_groups(max(m, 1), n)
-    return row, rows - 1 + rows_per_group // rows + groups
+    slices = partial_slices(groups)
+    sum_adds = -(-groups // slices) + slices.bit_length() - 1
+    return row, rows - 1 + rows_per_group // rows + sum_adds
 
 
 def parameter_vector(t, like):
@@ -486,6 +521,7 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
             mean_v.stride(0), rstd_v.stride(0))  # fmt: skip
     if not looped:
         rows, block_n, num_warps = tile
+        num_warps = backward_warps(num_warps, x.dtype)
         kernel = layernorm_backward_rows_kernel
         constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
     else:
@@ -495,10 +531,17 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     with device:
         launch(kernel, (groups,), (*tensors, *ints, 1.0 / n), constants,
                specialisation(ints, tensors))  # fmt: skip
-        for out, k in sums:
-            sum_tensors, sum_ints = (partials[k], out), (groups, n, out.stride(0))
+        if sums:  # both planes in one launch; an absent output's stand-in is never written
+            dw_out = dweight if dweight is not None else dbias
+            db_out = dbias if dbias is not None else dweight
+            slices = partial_slices(groups)
+            sum_tensors, sum_ints = (partials, dw_out, db_out), (groups, n, dw_out.stride(0),
+                                                                 db_out.stride(0))  # fmt: skip
             launch(sum_partials_kernel, (-(-n // PARTIAL_COLUMNS),), (*sum_tensors, *sum_ints),
-                   {"BLOCK": PARTIAL_COLUMNS}, specialisation(sum_ints, sum_tensors))  # fmt: skip
+                   {"BLOCK": PARTIAL_COLUMNS, "SLICES": slices,
+                    "LOG2_SLICES": slices.bit_length() - 1, "HAS_DW": dweight is not None,
+                    "HAS_DB": dbias is not None, "num_warps": 4},
+                   specialisation(sum_ints, sum_tensors))  # fmt: skip
     if dx_copied:
         dx.copy_(dx_rows.view(dx.shape))
     return dx, dweight, dbias

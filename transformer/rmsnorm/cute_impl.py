@@ -14,15 +14,19 @@ forward  `rmsnorm_forward_kernel`, a block (short rows: a warp, 8 rows a block) 
          tile), `block_sum` (dot/'s warp -> block tree; a warp's row: `butterfly_sum` alone)
          gives the row's; rstd = rsqrt.approx(sum / n + eps). Pass 2, last tile first
          (likeliest still cached): y = h * rstd * w.
-backward `row_dots_kernel`, a block per row: mean(g * xhat). `rmsnorm_backward_columns_kernel`,
-         a block per (tile, group): for each row of its group, dx of its tile, and the tile's
-         dy * xhat summed in registers into one row of float32 `partials`.
-         `sum_partials_kernel`, a block per tile: the groups' partials added in order.
+backward rows of at most ROW_REGISTERS_MAX values a thread: `rmsnorm_backward_rows_kernel`, a
+         block per group of rows: each row's x and dy read once into registers (3MN in all),
+         mean(g * xhat) by `block_sum`, dx written, dy * xhat summed over the group's rows in
+         registers and written once as the group's float32 `partials` row. Longer rows:
+         `row_dots_kernel`, a block per row: mean(g * xhat); then
+         `rmsnorm_backward_columns_kernel`, a block per (tile, group): dx of its tile for each
+         row of its group and the tile's partial (x and dy read twice: 5MN).
+         `sum_partials_kernel`, a block per 32 columns: each warp adds a slice of the groups in
+         order, then the slices' sums are added in warp order.
 
 Every sum is a fixed order, so the same inputs give the same bits; `forward_path`,
-`backward_path` and `dweight_path` export what README.md's bounds count. The backward reads x
-and dy twice (5MN, not the minimal 3MN) and rows of N >= 32768 are not spread over a cluster:
-README.md, open questions.
+`backward_path` and `dweight_path` export what README.md's bounds count. Rows of N >= 32768
+are not spread over a cluster: README.md, open questions.
 """
 
 import functools
@@ -47,9 +51,12 @@ VECTORS_PER_THREAD = 2
 # barrier; rows of at most 4 KB go a warp each (8 rows, up to 32 KB, a block) and are reduced by
 # shuffles alone. Longer rows keep a block each: they fill over half its 8 KB tile.
 WARP_ROW_BYTES_MAX = 4096
-# Blocks of the columns kernel: about four per H200 SM, fixed by the shape alone so that the
-# order of dweight's sum does not depend on the device.
+# Blocks of the backward (the columns kernel's over all its tiles): about four per H200 SM,
+# fixed by the shape alone so that the order of dweight's sum does not depend on the device.
 GROUPS_MAX = 512
+# The rows kernel keeps x, dy, w and the dweight row in float32 registers, this many values of
+# each a thread (4 * 32 = 128 registers): rows of up to 256 * 32 = 8192 elements in any dtype.
+ROW_REGISTERS_MAX = 32
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -255,19 +262,74 @@ def rmsnorm_backward_columns_kernel(
 
 
 @cute.kernel
-def sum_partials_kernel(
-    partials: cute.Tensor, dweight: cute.Tensor, groups: cutlass.Int32, n: cutlass.Int32,
-    f32_copies, tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+def rmsnorm_backward_rows_kernel(
+    x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, dres: cute.Tensor,
+    dx: cute.Tensor, partials: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32,
+    rows_per_group: cutlass.Int32, copies, f32_copies, tile_elems: cutlass.Constexpr[int],
+    per_thread: cutlass.Constexpr[int], row_tiles: cutlass.Constexpr[int],
+    fused: cutlass.Constexpr[bool],
 ):  # fmt: skip
-    """dweight = the groups' partials added in group order, rounded once to its dtype."""
-    tile, _, _ = cute.arch.block_idx()
-    total, values = registers(per_thread), registers(per_thread)
-    total.fill(0.0)
-    for group in cutlass.range(groups):
-        load_tile(f32_copies[0], partials[group, None], tile, n, tile_elems, values)
-        for j in cutlass.range_constexpr(per_thread):
-            total[j] = total[j] + values[j]
-    store_tile(f32_copies[1], dweight, tile, n, tile_elems, total)
+    """The whole backward of a group of rows that fit the block's registers (row_tiles tiles):
+    x and dy read once, dx written once, the group's dweight partial written once."""
+    group, _, _ = cute.arch.block_idx()
+    xs, dys, ws, dweight = ([registers(per_thread) for _ in range(row_tiles)] for _ in range(4))
+    other = registers(per_thread)
+    for tile in cutlass.range_constexpr(row_tiles):
+        dweight[tile].fill(0.0)
+        load_tile(f32_copies[1], w, tile, n, tile_elems, ws[tile])
+    first = group * rows_per_group
+    for row in cutlass.range(first, cutlass.min(first + rows_per_group, m)):
+        r = rstd[row]
+        for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
+            load_tile(copies, x[row, None], tile, n, tile_elems, xs[tile])
+            load_tile(copies, dy[row, None], tile, n, tile_elems, dys[tile])
+        thread_dot = cutlass.Float32(0.0)  # row_dots_kernel's tree: the same bits
+        for tile in cutlass.range_constexpr(row_tiles):
+            products = [(dys[tile][j] * ws[tile][j]) * (xs[tile][j] * r) for j in range(per_thread)]
+            thread_dot = thread_dot + pairwise_sum(products)
+        mean_dot = block_sum(thread_dot) / n.to(cutlass.Float32)
+        for tile in cutlass.range_constexpr(row_tiles):
+            if cutlass.const_expr(fused):
+                load_tile(copies, dres[row, None], tile, n, tile_elems, other)
+            for j in cutlass.range_constexpr(per_thread):
+                xhat = xs[tile][j] * r
+                dweight[tile][j] = dweight[tile][j] + dys[tile][j] * xhat
+                xs[tile][j] = r * (dys[tile][j] * ws[tile][j] - xhat * mean_dot)
+                if cutlass.const_expr(fused):
+                    xs[tile][j] = xs[tile][j] + other[j]
+            store_tile(copies, dx[row, None], tile, n, tile_elems, xs[tile])
+        cute.arch.sync_threads()  # block_sum's warp sums all read before the next row's land
+    for tile in cutlass.range_constexpr(row_tiles):
+        store_tile(f32_copies[0], partials[group, None], tile, n, tile_elems, dweight[tile])
+
+
+@cute.kernel
+def sum_partials_kernel(partials: cute.Tensor, dweight: cute.Tensor, groups: cutlass.Int32,
+                        n: cutlass.Int32):  # fmt: skip
+    """dweight[j] = column j of the partials added in a fixed order, rounded once: a block owns
+    WARP_SIZE columns (a lane each: 128-byte rows of float32), warp k adds the k-th of
+    WARPS_PER_BLOCK contiguous slices of the groups in group order, then the slices' sums are
+    added in warp order. The slices keep WARPS_PER_BLOCK loads per column in flight."""
+    block, _, _ = cute.arch.block_idx()
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    slice_sums = cute.make_tensor(
+        cute.arch.alloc_smem(cutlass.Float32, THREADS_PER_BLOCK),
+        cute.make_layout((WARPS_PER_BLOCK, WARP_SIZE), stride=(WARP_SIZE, 1)),
+    )
+    col = block * WARP_SIZE + lane
+    per_slice = (groups + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    total = cutlass.Float32(0.0)
+    if col < n:
+        first = warp * per_slice
+        for group in cutlass.range(first, cutlass.min(first + per_slice, groups), unroll=8):
+            total = total + partials[group, col]
+    slice_sums[warp, lane] = total
+    cute.arch.sync_threads()  # every slice's sum is in shared memory before warp 0 reads
+    if warp == 0 and col < n:  # (the DSL lowers `and` to a predicate: PTX or.pred)
+        total = cutlass.Float32(0.0)
+        for k in cutlass.range_constexpr(WARPS_PER_BLOCK):
+            total = total + slice_sums[k, lane]
+        dweight[col] = total.to(dweight.element_type)
 
 
 def tiled_copies(dtype, run, vectorized, threads=THREADS_PER_BLOCK):
@@ -323,8 +385,9 @@ def launch_backward(
     x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, dres: cute.Tensor,
     dx: cute.Tensor, mean_dots: cute.Tensor, partials: cute.Tensor, dweight: cute.Tensor,
     rows_per_group: cutlass.Int32, stream: cuda.CUstream, vectorized: cutlass.Constexpr[bool],
-    fused: cutlass.Constexpr[bool],
+    fused: cutlass.Constexpr[bool], row_tiles: cutlass.Constexpr[int],
 ):  # fmt: skip
+    """row_tiles > 0: the rows kernel (mean_dots unused); 0: row_dots and columns kernels."""
     m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
     groups = cutlass.Int32(cute.size(partials, mode=[0]))
     run, per_thread, tile_elems = tile_shape(x.element_type.width)
@@ -333,15 +396,21 @@ def launch_backward(
     w_copies = tiled_copies(w.element_type, run, vectorized)
     f32_copies = (tiled_copies(cutlass.Float32, run, vectorized), w_copies)
     block = [THREADS_PER_BLOCK, 1, 1]
-    row_dots_kernel(x, w, rstd, dy, mean_dots, n, copies, w_copies, tile_elems, per_thread).launch(
-        grid=[m, 1, 1], block=block, stream=stream
-    )
-    rmsnorm_backward_columns_kernel(
-        x, w, rstd, dy, dres, dx, mean_dots, partials, m, n, rows_per_group, copies, f32_copies,
-        tile_elems, per_thread, fused,
-    ).launch(grid=[tiles, groups, 1], block=block, stream=stream)  # fmt: skip
-    sum_partials_kernel(partials, dweight, groups, n, f32_copies, tile_elems, per_thread).launch(
-        grid=[tiles, 1, 1], block=block, stream=stream
+    if cutlass.const_expr(row_tiles > 0):
+        rmsnorm_backward_rows_kernel(
+            x, w, rstd, dy, dres, dx, partials, m, n, rows_per_group, copies, f32_copies,
+            tile_elems, per_thread, row_tiles, fused,
+        ).launch(grid=[groups, 1, 1], block=block, stream=stream)  # fmt: skip
+    else:
+        row_dots_kernel(
+            x, w, rstd, dy, mean_dots, n, copies, w_copies, tile_elems, per_thread
+        ).launch(grid=[m, 1, 1], block=block, stream=stream)
+        rmsnorm_backward_columns_kernel(
+            x, w, rstd, dy, dres, dx, mean_dots, partials, m, n, rows_per_group, copies,
+            f32_copies, tile_elems, per_thread, fused,
+        ).launch(grid=[tiles, groups, 1], block=block, stream=stream)  # fmt: skip
+    sum_partials_kernel(partials, dweight, groups, n).launch(
+        grid=[(n + WARP_SIZE - 1) // WARP_SIZE, 1, 1], block=block, stream=stream
     )
 
 
@@ -367,12 +436,13 @@ def statistic(m):
     )
 
 
-def build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, options=""):
+def build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, row_tiles=0,
+          options=""):  # fmt: skip
     """cute.compile the forward (x, residual, w, y, rstd, h, eps; `threads_per_row` a row) or
     backward (x, w, rstd, dy, dresidual_out, dx, mean_dots, partials, dweight, rows_per_group;
-    a block a row) launcher for TVM-FFI calls on torch tensors, on torch's current stream. The
-    operands share symbolic M and N; each has its own strides (TVM-FFI checks that operands
-    sharing a symbol pass equal values)."""
+    `row_tiles` as row_tiles_of gives it) launcher for TVM-FFI calls on torch tensors, on
+    torch's current stream. The operands share symbolic M and N; each has its own strides
+    (TVM-FFI checks that operands sharing a symbol pass equal values)."""
     m, n = cute.sym_int64(), cute.sym_int64()
     rows = lambda: operand(dtype, (m, n), vectorized)  # noqa: E731
     w = lambda: operand(weight_dtype, (n,), vectorized)  # noqa: E731
@@ -384,7 +454,7 @@ def build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, op
         partials = operand(torch.float32, (cute.sym_int64(), n), vectorized)
         operands = (rows(), w(), statistic(m), rows(), rows(), rows(), statistic(m), partials,
                     w(), 1)  # fmt: skip
-        launcher, constants = launch_backward, (vectorized, fused)
+        launcher, constants = launch_backward, (vectorized, fused, row_tiles)
     return cute.compile(
         launcher, *operands, stream, *constants, options=f"--enable-tvm-ffi {options}"
     )
@@ -392,17 +462,19 @@ def build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, op
 
 @functools.cache
 def compile_kernel(direction, dtype, weight_dtype, vectorized, fused,
-                   threads_per_row=THREADS_PER_BLOCK):  # fmt: skip
+                   threads_per_row=THREADS_PER_BLOCK, row_tiles=0):  # fmt: skip
     """The compiled launcher, built once per specialisation and cached."""
-    built = build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row)
+    built = build(direction, dtype, weight_dtype, vectorized, fused, threads_per_row, row_tiles)
     return built.__tvm_ffi_object__()
 
 
-def ptx_of(direction, dtype, vectorized, fused=False, threads_per_row=THREADS_PER_BLOCK):
+def ptx_of(direction, dtype, vectorized, fused=False, threads_per_row=THREADS_PER_BLOCK,
+           row_tiles=0):  # fmt: skip
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        built = build(direction, dtype, dtype, vectorized, fused, threads_per_row, options)
+        built = build(direction, dtype, dtype, vectorized, fused, threads_per_row, row_tiles,
+                      options)  # fmt: skip
         return built.__ptx__
 
 
@@ -417,9 +489,18 @@ def is_vector_friendly(t):
 
 
 @functools.cache
+def row_tiles_of(n, dtype):
+    """The tiles of a row the rows kernel holds in registers, or 0: the columns path."""
+    _, per_thread, tile_elems = tile_shape(dtype.itemsize * 8)
+    tiles = -(-n // tile_elems)
+    return tiles if tiles * per_thread <= ROW_REGISTERS_MAX else 0
+
+
+@functools.cache
 def groups_of(m, n, dtype):
-    """(rows per group, groups) of the columns kernel: GROUPS_MAX blocks over all tiles."""
-    tiles = -(-n // tile_shape(dtype.itemsize * 8)[2])
+    """(rows per group, groups) of the backward: GROUPS_MAX blocks (the columns kernel's over
+    all its tiles)."""
+    tiles = 1 if row_tiles_of(n, dtype) else -(-n // tile_shape(dtype.itemsize * 8)[2])
     rows_per_group = -(-m // min(m, max(GROUPS_MAX // tiles, 1)))
     return rows_per_group, -(-m // rows_per_group)
 
@@ -444,9 +525,10 @@ def backward_path(n, dtype):
 
 
 def dweight_path(m, n, dtype):
-    """Additions on a term's way into dweight: one per row of its group, one per group."""
+    """Additions on a term's way into dweight: one per row of its group, one per group of its
+    slice in sum_partials_kernel, one per slice."""
     rows_per_group, groups = groups_of(max(m, 1), n, dtype)
-    return rows_per_group + groups
+    return rows_per_group + -(-groups // WARPS_PER_BLOCK) + WARPS_PER_BLOCK
 
 
 def rmsnorm_forward(x, weight, eps, y, rstd, residual=None, residual_out=None):
@@ -487,12 +569,15 @@ def rmsnorm_backward(x, weight, rstd, dy, dx, dweight, dresidual_out=None):
     rstd_vec = as_rows(rstd[..., None])[0].view(-1)
     m, n = x_rows.shape
     rows_per_group, groups = groups_of(m, n, x.dtype)
+    row_tiles = row_tiles_of(n, x.dtype)
     padded = -(-n // 8) * 8  # partial rows start on 32-byte boundaries
     partials = torch.empty(groups, padded, device=x.device, dtype=torch.float32)[:, :n]
-    mean_dots = torch.empty(m, device=x.device, dtype=torch.float32)
+    # The rows kernel needs no mean_dots: rstd stands in for the unused operand.
+    mean_dots = rstd_vec if row_tiles else torch.empty(m, device=x.device, dtype=torch.float32)
     operands = (x_rows, weight, dy_rows, dres_rows, dx_rows, partials, dweight)
     vectorized = all(is_vector_friendly(t) for t in operands)
-    kernel = compile_kernel("backward", x.dtype, weight.dtype, vectorized, fused)
+    kernel = compile_kernel("backward", x.dtype, weight.dtype, vectorized, fused,
+                            THREADS_PER_BLOCK, row_tiles)  # fmt: skip
     kernel(x_rows, weight, rstd_vec, dy_rows, dres_rows, dx_rows, mean_dots, partials, dweight,
            rows_per_group)  # fmt: skip
     if dx_copied:

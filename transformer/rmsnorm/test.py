@@ -972,16 +972,18 @@ def test_cute_forward_map(dtype):
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction, threads", [("forward", 32), ("forward", 256),
-                                                ("backward", 256)])  # fmt: skip
+@pytest.mark.parametrize("direction, threads, row_tiles", [
+    ("forward", 32, 0), ("forward", 256, 0), ("backward", 256, 0), ("backward", 256, 1),
+    ("backward", 256, 2)])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, threads, dtype):
-    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map):
-    128-bit loads and stores on the vector path (none in the any-stride build), warp shuffles,
-    div.rn for the means, no spills, in the forward the rsqrt.approx README.md's bound counts;
-    block_sum's one bar.sync where a block holds a row, none where a warp does."""
-    vector = cute_impl.ptx_of(direction, dtype, True, True, threads)
-    scalar = cute_impl.ptx_of(direction, dtype, False, False, threads)
+def test_cute_ptx(direction, threads, row_tiles, dtype):
+    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map;
+    the backward's rows kernel one per count of tiles held): 128-bit loads and stores on the
+    vector path (none in the any-stride build), warp shuffles, div.rn for the means, no spills,
+    in the forward the rsqrt.approx README.md's bound counts; block_sum's one bar.sync where a
+    block holds a row, none where a warp does."""
+    vector = cute_impl.ptx_of(direction, dtype, True, True, threads, row_tiles)
+    scalar = cute_impl.ptx_of(direction, dtype, False, False, threads, row_tiles)
     for ptx in (vector, scalar):
         assert "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx and "div.approx" not in ptx
         assert ("bar.sync" in ptx) == (threads == 256)
@@ -992,10 +994,20 @@ def test_cute_ptx(direction, threads, dtype):
         assert "rsqrt.approx.ftz.f32" in vector
 
 
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 def test_cute_groups():
-    """At most GROUPS_MAX blocks of the columns kernel over all tiles, every row in a group."""
-    assert cute_impl is None or cute_impl.groups_of(32768, 4096, torch.bfloat16) == (64, 512)
-    assert cute_impl is None or cute_impl.groups_of(7, 65536, torch.bfloat16) == (1, 7)
+    """Rows of up to ROW_REGISTERS_MAX values a thread go to the rows kernel (8192 elements in
+    every dtype), longer ones to the columns path; at most GROUPS_MAX blocks (the columns
+    kernel's over all its tiles), every row in a group."""
+    tiles = [cute_impl.row_tiles_of(n, dtype) for n, dtype in [
+        (1, torch.bfloat16), (4096, torch.bfloat16), (4097, torch.float16),
+        (8192, torch.bfloat16), (8193, torch.bfloat16), (2048, torch.float32),
+        (8192, torch.float32), (8193, torch.float32)]]  # fmt: skip
+    assert tiles == [1, 1, 2, 2, 0, 1, 4, 0]
+    assert cute_impl.groups_of(32768, 4096, torch.bfloat16) == (64, 512)
+    assert cute_impl.groups_of(32768, 8192, torch.bfloat16) == (64, 512)  # one block a row
+    assert cute_impl.groups_of(32768, 16384, torch.bfloat16) == (256, 128)  # four tiles
+    assert cute_impl.groups_of(7, 65536, torch.bfloat16) == (1, 7)
 
 
 def cuda_labelled(t):
