@@ -4,9 +4,10 @@
     dx_j = dloss (exp(x_j - lse) - q_j),   q_j = (1 - eps) [j = t] + eps / V
 
 A row of a vocabulary (V up to 262144) does not fit in registers, so
-`cross_entropy_forward_kernel` streams it once in chunks of CHUNK lanes, lane j keeping an online
-max and sum of exp (and, with label smoothing, the sum of the logits), combines the lanes in a
-fixed tree, and writes the row's float32 loss and lse: MN elements read, the minimum.
+`cross_entropy_forward_kernel` streams it once in chunks of CHUNK lanes, each group of a 16-byte
+load's lanes keeping an online max and sum of exp (and, with label smoothing, each lane the sum
+of the logits), combines them in a fixed tree, and writes the row's float32 loss and lse: MN
+elements read, the minimum.
 `cross_entropy_backward_kernel` reads the row again with the saved lse and writes dx, in place
 over the logits when asked: 2MN more. `reduce_loss` sums the M losses in one program over a
 fixed tree (`loss_sum_kernel`), so the mean has the same bits every run (no atomics).
@@ -32,6 +33,9 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(S) = log2(S) ln 2
 # (max, sum, and the smoothing's sum of x): four 16-byte loads in flight, no spills.
 CHUNK = 4096
 CHUNK_WARPS = 8
+# A group of the forward's lanes shares one running max: the elements of one 16-byte load, so
+# that a group's max and sum stay in one thread's registers.
+GROUP_BYTES = 16
 SUM_CHUNK = 1024  # lanes of the loss sum: the M losses are read once by one program
 
 
@@ -62,29 +66,34 @@ def finite_shift(row_max):
 @triton.jit
 def cross_entropy_forward_kernel(
     x_ptr, target_ptr, loss_ptr, lse_ptr, n, stride_xm, stride_xn, stride_loss, stride_lse,
-    ignore_index, label_smoothing, inverse_n,
-    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, SMOOTHING: tl.constexpr,
+    ignore_index, label_smoothing, inverse_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr, SMOOTHING: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: M V passes 2**31 at a vocabulary
     x_row = x_ptr + row * stride_xm
     offs = tl.arange(0, CHUNK).to(tl.int64)
-    # Lane j keeps the max and the sum of exp(x - max) of the elements it has seen; a new max
-    # rescales the lane's sum by exp(old max - new max). Lanes past n read -inf: they add 0.
-    lane_max = tl.full([CHUNK], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([CHUNK], tl.float32)
+    # Group g, GROUP adjacent lanes (a thread's 16-byte load), keeps the max and the sum of
+    # exp(x - max) of the elements it has seen; a new max rescales the group's sum by
+    # exp(old max - new max): one exp2 an element plus one a group, where a max per lane would
+    # take two an element (the H200's exp unit would then take about as long as the row's
+    # bytes). Lanes past n read -inf: they add 0.
+    group_max = tl.full([CHUNK // GROUP], float("-inf"), tl.float32)
+    group_sum = tl.zeros([CHUNK // GROUP], tl.float32)
     lane_total = tl.zeros([CHUNK], tl.float32)  # the sum of x, for label smoothing's mean
     for chunk in range(0, tl.cdiv(n, CHUNK)):
         cols = chunk * CHUNK + offs
         x = tl.load(x_row + cols * stride_xn, mask=cols < n, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
+        groups = tl.reshape(x, [CHUNK // GROUP, GROUP])
+        new_max = tl.maximum(group_max, tl.max(groups, axis=1))
         shift = finite_shift(new_max)
-        lane_sum = lane_sum * exp_shifted(lane_max, shift) + exp_shifted(x, shift)
-        lane_max = new_max
+        terms = pairwise_sum(exp_shifted(groups, shift[:, None]), LOG2_GROUP)
+        group_sum = group_sum * exp_shifted(group_max, shift) + terms
+        group_max = new_max
         if SMOOTHING:
             lane_total += tl.where(cols < n, x, 0.0)
-    shift = finite_shift(tl.max(lane_max, axis=0))
-    rescaled = lane_sum * exp_shifted(lane_max, shift)
-    total_exp = tl.sum(pairwise_sum(rescaled[None, :], LOG2_CHUNK), axis=0)
+    shift = finite_shift(tl.max(group_max, axis=0))
+    rescaled = group_sum * exp_shifted(group_max, shift)
+    total_exp = tl.sum(pairwise_sum(rescaled[None, :], LOG2_CHUNK - LOG2_GROUP), axis=0)
     lse = shift + tl.log2(total_exp) * LN2
     target = tl.load(target_ptr + row)
     kept = target != ignore_index
@@ -186,8 +195,9 @@ def chunk_for(n):
 def forward_path(n):
     """What README.md's bound counts on a term's way into the row's sum of exp: (exp2
     evaluations, float32 roundings after the exp): its own exp, a rescale per later chunk and
-    one at the lane combine; per later chunk a multiply and an add, the combine's multiply,
-    then log2(chunk) levels of the tree. The smoothing's sum of x meets chunks - 1 + log2(chunk)
+    one at the group combine; log2(group) levels of its group's tree, per later chunk a
+    multiply and an add, the combine's multiply, then log2(chunk / group) levels: log2(chunk)
+    tree levels in all, whatever the group. The smoothing's sum of x meets chunks - 1 + log2(chunk)
     additions (`tree_additions`)."""
     chunk = chunk_for(n)
     chunks = -(-n // chunk)
@@ -210,12 +220,13 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, loss, l
     (m, n), chunk = logits.shape, chunk_for(logits.shape[1])
     if m == 0:
         return loss, lse
+    group = min(GROUP_BYTES // logits.element_size(), chunk)
     with device:
         cross_entropy_forward_kernel[(m,)](
             logits, target, loss, lse, n, *logits.stride(), loss.stride(0), lse.stride(0),
             ignore_index, label_smoothing, 1.0 / n, CHUNK=chunk,
-            LOG2_CHUNK=chunk.bit_length() - 1, SMOOTHING=label_smoothing != 0,
-            num_warps=CHUNK_WARPS,
+            LOG2_CHUNK=chunk.bit_length() - 1, GROUP=group, LOG2_GROUP=group.bit_length() - 1,
+            SMOOTHING=label_smoothing != 0, num_warps=CHUNK_WARPS,
         )  # fmt: skip
     return loss, lse
 
