@@ -17,7 +17,7 @@ import nox
 ROOT = Path(__file__).parent
 BLAS = ["copy", "swap", "scal", "axpby", "dot", "gemv", "geru", "gemm"]
 # sub-folders of transformer/
-TRANSFORMER = ["softmax", "rmsnorm", "layernorm", "swiglu", "rope", "cross_entropy"]
+TRANSFORMER = ["softmax", "rmsnorm", "layernorm", "swiglu", "rope", "cross_entropy", "attention"]
 
 COURSE_ENV = ROOT / ".nox" / "course"
 REQUIREMENTS = ROOT / "requirements.txt"

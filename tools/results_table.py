@@ -46,6 +46,9 @@ MODULES = {
              "2T + 2T (T = B S (H + Hk) D)"),
     "cross_entropy": ("loss of each row's target class", "loss = logsumexp(x) - x[target]",
                       "4MV + 5MV", "MV + 2MV"),
+    "attention": ("softmax attention, fused (FlashAttention)",
+                  "O = softmax(Q K^T scale + mask) V", "4BHS^2D + 10BHS^2D",
+                  "4BSHD + 8BSHD (K, V: H_kv heads)"),
 }  # fmt: skip
 FILES = {"Python": "reference.py", "PyTorch": "torch_impl.py", "Triton": "triton_impl.py"}
 FILES["CuTe"] = "cute_impl.py"

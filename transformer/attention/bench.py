@@ -1,0 +1,228 @@
+"""Benchmark attention on the GPU, forward and forward+backward, against the anchors.
+
+    python bench.py            writes results.json and perf.png beside this file
+    python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 only, no files
+
+Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
+are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
+counts). Times are medians of `triton.testing.do_bench` (L2 flushed) of each pass captured in a
+CUDA graph and replayed: the kernels' time; a pass the capture refuses is timed eagerly and its
+row's `timing` says why. Implementations are interleaved in ROUNDS rotated rounds, shape by
+shape. The ceiling is torch.matmul on bf16 8192^3 in the same run. The library op is torch's
+`scaled_dot_product_attention` as it chooses; the anchors: SDPA forced to cuDNN and to
+flash-attention 2, FlashAttention-4's CuTe kernels (`flash_attn.cute.flash_attn_func`) when
+importable. torch_impl (the materialised scores) is timed where its float32 scores fit.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import torch_impl
+import triton_impl
+
+HERE = Path(__file__).resolve().parent
+ROUNDS = 3
+HEADLINE = (4, 4096, 32, 32, 128)  # (B, S, H, H_kv, D)
+# perf.png: 16384 tokens a batch at S = 512 ... 16384, D = 64 and 128; GQA (8 KV heads) once.
+SWEEP = [
+    (16384 // s, s, 32, 32, d) for d in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384)
+]
+SWEEP += [(4, 4096, 32, 8, 128)]
+TINY, CALLS = (1, 16, 2, 2, 64), 1000
+MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
+
+
+def sdpa(backend=None):
+    def attention(q, k, v, causal):
+        heads = [t.transpose(1, 2) for t in (q, k, v)]
+        gqa = q.shape[2] != k.shape[2]
+        if backend is None:
+            out = F.scaled_dot_product_attention(*heads, is_causal=causal, enable_gqa=gqa)
+        else:
+            with torch.nn.attention.sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(*heads, is_causal=causal, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    return attention
+
+
+def implementations():
+    from torch.nn.attention import SDPBackend
+
+    impls = {
+        "library": sdpa(),
+        "torch": lambda q, k, v, causal: torch_impl.attention(q, k, v, causal=causal),
+        "triton": lambda q, k, v, causal: triton_impl.attention(q, k, v, causal=causal),
+        "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v, causal):
+            out = flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["fa4"] = fa4
+    except ImportError as error:
+        print(f"fa4 is not measured: {error}")
+    return impls
+
+
+def median_ms(fn):
+    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def graph_ms(fn):
+    """(median ms, timing) of fn replayed from one captured CUDA graph; eagerly if refused."""
+    stream, graph, timing = torch.cuda.Stream(), torch.cuda.CUDAGraph(), "graph"
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        except Exception as error:
+            timing = f"eager: not capturable ({str(error).splitlines()[0][:80]})"
+    return median_ms(graph.replay if timing == "graph" else fn), timing
+
+
+def matmul_ceiling_tflops(size=8192):
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * size**3 / median_ms(lambda: a @ b) / 1e9
+
+
+def timed_passes(attention, q, k, v, do, causal):
+    """((fwd ms, fwd+bwd ms), timings); the result is checked against SDPA's first."""
+    expected = sdpa()(q, k, v, causal).float()
+    got = attention(q, k, v, causal).float()
+    if not torch.allclose(got, expected, atol=2e-2, rtol=0):  # a sanity check, not the bound
+        raise RuntimeError(f"wrong result (largest error {(got - expected).abs().max():.3g})")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fwd = graph_ms(lambda: attention(q, k, v, causal))
+
+    def forward_backward():
+        for leaf in leaves:
+            leaf.grad = None
+        attention(*leaves, causal).backward(do)
+
+    both = graph_ms(forward_backward)
+    return (fwd[0], both[0]), (fwd[1], both[1])
+
+
+def shape_rows(impls, shape, causal, ceiling, dtype=torch.bfloat16):
+    batch, seq, heads, heads_kv, head_dim = shape
+    q = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, seq, heads_kv, head_dim, device="cuda", dtype=dtype) for _ in "kv")
+    do = torch.randn_like(q)
+    names = [
+        n for n in impls if n != "torch" or 4 * batch * heads * seq * seq <= MATERIALISED_LIMIT
+    ]
+    samples = {name: [] for name in names}
+    for shift in range(ROUNDS):
+        for name in names[shift:] + names[:shift]:
+            if name not in samples:
+                continue
+            try:
+                samples[name].append(timed_passes(impls[name], q, k, v, do, causal))
+            except Exception as error:  # an anchor that refuses a shape or a layout
+                print(f"{name:8s} {shape} causal={causal}: skipped ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:100]})")  # fmt: skip
+                del samples[name]
+    flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    rows = []
+    library = {p: statistics.median(s[0][p] for s in samples["library"]) for p in (0, 1)}
+    for name, runs in samples.items():
+        for index, (pass_name, factor) in enumerate((("fwd", 1.0), ("fwd+bwd", 3.5))):
+            ms = statistics.median(run[0][index] for run in runs)
+            tflops = factor * flops / ms / 1e9
+            row = {"impl": name, "pass": pass_name, "dtype": str(dtype)[6:],
+                   "shape": [batch, seq, heads, head_dim], "causal": causal, "ms": ms,
+                   "GBps": None, "TFLOPs": tflops, "pct_of_ceiling": 100 * tflops / ceiling,
+                   "vs_library": library[index] / ms, "timing": runs[-1][1][index]}  # fmt: skip
+            if heads_kv != heads:
+                row["kv_heads"] = heads_kv
+            rows.append(row)
+            print(f"{name:8s} {pass_name:7s} B{batch} S{seq} H{heads}/{heads_kv} D{head_dim} "
+                  f"causal={causal!s:5s} {ms * 1e3:9.1f} us {tflops:6.1f} TFLOP/s "
+                  f"x{library[index] / ms:.2f} vs SDPA {row['timing'][:5]}")  # fmt: skip
+    return rows
+
+
+def per_call_rows(impls):
+    """host_us: wall time of back-to-back forward calls at TINY, rounds rotated."""
+    batch, seq, heads, heads_kv, head_dim = TINY
+    q = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seq, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")  # fmt: skip
+    samples = {name: [] for name in impls}
+    for shift in range(ROUNDS):
+        names = list(impls)
+        for name in names[shift:] + names[:shift]:
+            call = impls[name]
+            call(q, k, v, False)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                call(q, k, v, False)
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    host = {name: statistics.median(us) for name, us in samples.items()}
+    return [
+        {"impl": name, "pass": "fwd", "dtype": "bfloat16", "shape": [batch, seq, heads, head_dim],
+         "causal": False, "ms": None, "GBps": None, "TFLOPs": None, "pct_of_ceiling": None,
+         "vs_library": host["library"] / us, "host_us": us}
+        for name, us in host.items()
+    ]  # fmt: skip
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(d, c, p) for d in (64, 128) for c in (False, True) for p in ("fwd", "fwd+bwd")]
+    figure, axes = plt.subplots(2, 4, figsize=(22, 9))
+    for ax, (head_dim, causal, pass_name) in zip(axes.flat, panels, strict=True):
+        chosen = [r for r in rows if r["ms"] and r["shape"][3] == head_dim and r["causal"] == causal
+                  and r["pass"] == pass_name and "kv_heads" not in r]  # fmt: skip
+        for name in dict.fromkeys(r["impl"] for r in chosen):
+            points = sorted((r["shape"][1], r["TFLOPs"]) for r in chosen if r["impl"] == name)
+            ax.plot(*zip(*points, strict=True), "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="S (B S = 16384 tokens, H = 32)", ylabel="TFLOP/s",
+               title=f"attention {pass_name}, D={head_dim}, causal={causal}")  # fmt: skip
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(quick=False):
+    ceiling, impls, rows = matmul_ceiling_tflops(), implementations(), []
+    if not quick:
+        rows += per_call_rows(impls)
+    for shape in [HEADLINE] if quick else [HEADLINE, *SWEEP]:
+        for causal in (False, True):
+            rows += shape_rows(impls, shape, causal, ceiling)
+            torch.cuda.empty_cache()
+    print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
+    results = {"device": torch.cuda.get_device_name(),
+               "ceilings": {"bf16_matmul_TFLOPs": ceiling}, "rows": rows}  # fmt: skip
+    if not quick:
+        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        plot(rows, HERE / "perf.png")
+    return results
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)

@@ -1,0 +1,418 @@
+"""Tests for attention: every implementation, forward and backward, lands within README.md's bound.
+
+Run with `python test.py` (or `nox -s attention` from the top). Without a GPU, torch runs on the
+CPU and Triton under its interpreter at tiny sizes; the GPU adds the model sizes.
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import reference
+import torch_impl
+import triton_impl
+
+try:
+    from common.tolerance import (
+        APPROX_RELATIVE_ERROR,
+        assert_same_bits,
+        assert_within_bound,
+        gamma,
+        store_roundoff,
+        underflow,
+        unit_roundoff,
+    )
+except ImportError as error:  # the folder was copied on its own, without common/
+    raise ImportError(
+        "test.py takes its tolerance checks from the course's common/ folder, which is not "
+        f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
+    ) from error
+
+# (1) Set-up and the bound model ----------------------------------------------------------------
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = {"torch": torch_impl, "triton": triton_impl}
+U32, EX2 = unit_roundoff(torch.float32), APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
+LN2 = math.log(2.0)
+# (B, S_q, S_k, H, H_kv, D): single tokens, primes, S_q != S_k both ways, GQA and MQA, a head
+# dimension that is not a power of two, and one past the small tile.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16), (2, 5, 3, 4, 2, 8), (1, 7, 7, 2, 1, 16), (1, 3, 11, 3, 3, 20),
+    (1, 37, 19, 2, 2, 32), (1, 17, 33, 4, 1, 64),
+]  # fmt: skip
+
+
+def operands(batch, s_q, s_k, heads, heads_kv, head_dim, dtype, layout="bshd"):
+    """Fresh random q, k, v, dO; "bhsd" makes them (B, H, S, D) tensors seen as (B, S, H, D)."""
+
+    def make(seq, h):
+        if layout == "bhsd":
+            return torch.randn(batch, h, seq, head_dim, device=DEVICE).to(dtype).transpose(1, 2)
+        return torch.randn(batch, seq, h, head_dim, device=DEVICE).to(dtype)
+
+    return make(s_q, heads), make(s_k, heads_kv), make(s_k, heads_kv), make(s_q, heads)
+
+
+def float64_forward(q, k, v, causal, scale):
+    """The definition in float64 torch (P unrounded): the stand-in for reference.py at sizes
+    Python loops cannot reach; `test_stand_in_matches_reference` checks it."""
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    p, lse = torch_impl.probabilities(q64, k64, causal, scale, dtype=torch.float64)
+    group = q.shape[2] // k.shape[2]
+    o = torch.einsum("bhij,bjhd->bihd", p, v64.repeat_interleave(group, dim=2))
+    return o, lse
+
+
+def magnitudes(q, k, v, causal, scale):
+    """float64 (P, |P| |V| sums (B, S_q, H, D), per-row score error E (log2 units) and the
+    row's largest |score| (log2 units))."""
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    p, _ = torch_impl.probabilities(q64, k64, causal, scale, dtype=torch.float64)
+    keys = k64.repeat_interleave(group, dim=2)
+    head_dim = q.shape[3]
+    abs_scores = torch.einsum("bihd,bjhd->bhij", q64.abs(), keys.abs()) * scale / LN2
+    scores = torch.einsum("bihd,bjhd->bhij", q64, keys) * scale / LN2
+    if causal:
+        hidden = torch_impl.causal_mask(q.shape[1], k.shape[1], q.device)
+        abs_scores = abs_scores.masked_fill(hidden, 0.0)
+        scores = scores.masked_fill(hidden, 0.0)
+    # A score: D products (exact in float32 for 16-bit inputs, one rounding for float32) summed
+    # in float32, times scale log2 e (that constant rounded once, the product once).
+    products = 1 if q.dtype == torch.float32 else 0
+    score_error = gamma(head_dim + products + 2, U32) * abs_scores.amax(-1)
+    largest = scores.abs().amax(-1)
+    weighted = torch.einsum("bhij,bjhd->bihd", p, v64.abs().repeat_interleave(group, dim=2))
+    return p, weighted, score_error, largest
+
+
+def relative_p_error(score_error, largest):
+    """rho, the relative error of a row's exp terms (README.md, "Error bound"): the score's
+    error and the rounding of score - shift (|score - shift| <= 2 max |score|) in the exponent,
+    then exp2's own error."""
+    return (2.0 ** (score_error + 2 * U32 * largest) - 1.0) + EX2
+
+
+def forward_bound(q, k, v, o, causal, scale):
+    """(bound on |O_hat - O|, bound on |lse_hat - lse|) of README.md: the numerator's terms move
+    by rho + u_in + gamma, the denominator's by rho + gamma, the ratio by their sum over
+    1 - (rho + gamma); the store rounds once more."""
+    s_k = k.shape[1]
+    u_in = unit_roundoff(q.dtype) if q.dtype != torch.float32 else 0.0
+    _, weighted, score_error, largest = magnitudes(q, k, v, causal, scale)
+    rho = relative_p_error(score_error, largest)  # (B, H, S_q)
+    steps = s_k + 2 * math.ceil(s_k / 16) + 4  # additions, rescales, the division's two roundings
+    num, den = rho + u_in + gamma(steps, U32), rho + gamma(steps, U32)
+    ratio = ((num + den) / (1 - den)).transpose(1, 2)[..., None]  # (B, S_q, H, 1)
+    o_bound = ratio * weighted + store_roundoff(q.dtype) * o.abs() + underflow(q.dtype)
+    lse_bound = LN2 * score_error + den / (1 - den) + 4 * U32 * (LN2 * largest + math.log(s_k + 1))
+    return o_bound, lse_bound
+
+
+def check_forward(impl, q, k, v, causal, scale=None, o=None, lse=None):
+    """Run impl's forward (into o and lse when given) and check both against float64."""
+    batch, s_q, heads, _ = q.shape
+    o = torch.empty_like(q) if o is None else o
+    lse = torch.empty(batch, heads, s_q, device=q.device) if lse is None else lse
+    IMPLS[impl].attention_forward(q, k, v, causal, scale, o, lse)
+    scale_value = reference.default_scale(q.shape[3], scale)
+    exact_o, exact_lse = float64_forward(q, k, v, causal, scale_value)
+    o_bound, lse_bound = forward_bound(q, k, v, exact_o, causal, scale_value)
+    assert_within_bound(o, exact_o, o_bound, f"{impl} O")
+    assert_within_bound(lse, exact_lse, lse_bound, f"{impl} lse")
+    return o, lse
+
+
+def backward_bounds(q, k, v, o_hat, lse_hat, do, causal, scale):
+    """Bounds on |dQ_hat - dQ|, |dK_hat - dK|, |dV_hat - dV| (README.md, "Error bound"): P is
+    recomputed from the saved lse (its error moves every P by e**|dlse| - 1 more), rounded to
+    the input dtype for dV and dS; dP and D_i are float32 dots (D_i of the rounded O, whose own
+    error the forward bound gives); the products' sums are float32; the store rounds once
+    (among the 16-bit subnormals, by an absolute `underflow`)."""
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
+    batch, s_q, heads, head_dim = q.shape
+    s_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads // heads_kv
+    u_in = unit_roundoff(q.dtype) if q.dtype != torch.float32 else 0.0
+    p, _, score_error, largest = magnitudes(q, k, v, causal, scale)
+    exact_o, exact_lse = float64_forward(q, k, v, causal, scale)
+    o_bound, _ = forward_bound(q, k, v, exact_o, causal, scale)
+    lse_error = (lse_hat.double() - exact_lse).abs().nan_to_num(0.0, 0.0, 0.0)
+    rho = (relative_p_error(score_error, largest) + torch.expm1(lse_error))[..., None]
+    keys, values = (t.repeat_interleave(group, dim=2) for t in (k64, v64))
+    dp = torch.einsum("bihd,bjhd->bhij", do64, values)
+    dp_error = gamma(head_dim + 2, U32) * torch.einsum("bihd,bjhd->bhij", do64.abs(), values.abs())
+    delta = (do64 * exact_o).sum(-1).transpose(1, 2)[..., None]
+    delta_error = (do64.abs() * (o_bound + (o_hat.double() - exact_o).abs().clamp_max(0))).sum(
+        -1
+    ) + gamma(head_dim + 2, U32) * (do64 * o_hat.double()).abs().sum(-1)
+    delta_error = delta_error.transpose(1, 2)[..., None]  # fmt: skip
+    ds = p * (dp - delta)
+    ds_error = (rho * p * (dp - delta).abs() + p * (dp_error + delta_error)) * (1 + u_in)
+    ds_error = ds_error + (u_in + 3 * U32) * ds.abs()
+    sums_q = gamma(s_k + 2, U32)
+    sums_k = gamma(s_q * group + 2, U32)
+
+    def per_kv_head(t):
+        return t.reshape(batch, s_k, heads_kv, group, head_dim).sum(3)
+
+    dq = scale * torch.einsum("bhij,bjhd->bihd", ds, keys)
+    dq_bound = scale * torch.einsum("bhij,bjhd->bihd", ds_error + sums_q * ds.abs(), keys.abs())
+    dk = per_kv_head(scale * torch.einsum("bhij,bihd->bjhd", ds, q64))
+    dk_bound = per_kv_head(scale * torch.einsum("bhij,bihd->bjhd", ds_error + sums_k * ds.abs(),
+                                                q64.abs()))  # fmt: skip
+    dv = per_kv_head(torch.einsum("bhij,bihd->bjhd", p, do64))
+    dv_bound = per_kv_head(torch.einsum("bhij,bihd->bjhd", (rho + u_in + sums_k) * p, do64.abs()))
+    u_out = store_roundoff(q.dtype)
+    bounds = [b + u_out * e.abs() + underflow(q.dtype)
+              for b, e in ((dq_bound, dq), (dk_bound, dk), (dv_bound, dv))]  # fmt: skip
+    return (dq, dk, dv), bounds
+
+
+def check_backward(impl, q, k, v, do, causal, scale=None):
+    """Forward then backward with impl; every gradient against float64 within its bound."""
+    o, lse = check_forward(impl, q, k, v, causal, scale)
+    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    IMPLS[impl].attention_backward(q, k, v, o, lse, do, causal, scale, *grads)
+    scale_value = reference.default_scale(q.shape[3], scale)
+    exact, bounds = backward_bounds(q, k, v, o, lse, do, causal, scale_value)
+    for name, got, want, bound in zip(("dq", "dk", "dv"), grads, exact, bounds, strict=True):
+        assert_within_bound(got, want, bound, f"{impl} {name}")
+    return grads
+
+
+# (2) The contract, over every implementation ----------------------------------------------------
+
+
+def test_reference_backward_matches_autograd():
+    """reference.py's hand-derived backward against float64 torch.autograd through SDPA's math
+    (the mask bottom-right aligned), GQA and a fully masked row included."""
+    torch.manual_seed(1)
+    q, k, v, do = operands(1, 5, 3, 4, 2, 8, torch.float32)
+    for causal in (False, True):
+        o, lse = reference.attention_forward(q, k, v, causal)
+        grads = reference.attention_backward(q, k, v, o, lse, do, causal)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        mask = None if not causal else ~torch_impl.causal_mask(5, 3, DEVICE)
+        heads = [leaves[0].transpose(1, 2)] + [
+            t.repeat_interleave(2, dim=2).transpose(1, 2) for t in leaves[1:]
+        ]
+        out = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=mask)
+        out.transpose(1, 2).backward(do.double())
+        assert torch.allclose(out.transpose(1, 2).cpu(), o, atol=1e-12)
+        for mine, theirs in zip(grads, leaves, strict=True):
+            assert torch.allclose(mine, theirs.grad.cpu(), atol=1e-12)
+
+
+def test_stand_in_matches_reference():
+    """float64_forward (the large-size stand-in) agrees with reference.py to float64 rounding."""
+    torch.manual_seed(2)
+    for shape in SHAPES[:4]:
+        q, k, v, _ = operands(*shape, torch.float32)
+        for causal in (False, True):
+            o, lse = float64_forward(q, k, v, causal, 1 / math.sqrt(shape[-1]))
+            ref_o, ref_lse = reference.attention_forward(q, k, v, causal)
+            assert torch.allclose(o.cpu(), ref_o, atol=1e-12)
+            assert torch.equal(lse.cpu().isinf(), ref_lse.isinf())
+            assert torch.allclose(lse.cpu().nan_to_num(0, 0, 0), ref_lse.nan_to_num(0, 0, 0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_definition(impl, dtype, shape, causal):
+    """O, lse, dQ, dK and dV of fresh random operands within the bound, every dtype, shape and
+    mask (S_q > S_k with causal leaves queries that see no key: O = 0, lse = -inf)."""
+    q, k, v, do = operands(*shape, dtype)
+    check_backward(impl, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reference_at_small_sizes(impl):
+    """The implementations against reference.py itself (Python floats, math.fsum)."""
+    q, k, v, do = operands(1, 6, 5, 2, 1, 8, torch.float32)
+    for causal in (False, True):
+        o, lse = check_forward(impl, q, k, v, causal)
+        ref_o, ref_lse = reference.attention_forward(q, k, v, causal)
+        bound, _ = forward_bound(q, k, v, ref_o.to(DEVICE), causal, 1 / math.sqrt(8))
+        assert_within_bound(o, ref_o, bound, f"{impl} O against reference.py")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["bhsd", "strided"])
+def test_strided_operands(impl, layout):
+    """(B, H, S, D) tensors seen as (B, S, H, D), and q, k, v as slices of one packed qkv
+    projection (B, S, H + 2 H_kv, D): any strides but the head dimension's."""
+    torch.manual_seed(3)
+    if layout == "bhsd":
+        q, k, v, do = operands(2, 9, 13, 4, 2, 16, torch.bfloat16, layout)
+    else:
+        qkv = torch.randn(2, 9, 4 + 2 + 2, 16, device=DEVICE).to(torch.bfloat16)
+        q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+        do = torch.randn_like(q)
+    for causal in (False, True):
+        check_backward(impl, q, k, v, do, causal)
+
+
+def guarded(shape, dtype, margin=2):
+    """A view of `shape` inside a NaN-filled buffer one margin wider in every dimension."""
+    buffer = torch.full([n + 2 * margin for n in shape], math.nan, device=DEVICE, dtype=dtype)
+    return buffer[tuple(slice(margin, margin + n) for n in shape)], buffer
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_outputs_inside_guard(impl):
+    """O, lse, dQ, dK and dV as views inside NaN-filled buffers: every element inside written,
+    nothing outside touched."""
+    q, k, v, do = operands(1, 7, 5, 2, 1, 16, torch.float16)
+    o, o_buffer = guarded(q.shape, q.dtype)
+    lse, lse_buffer = guarded((1, 2, 7), torch.float32)
+    IMPLS[impl].attention_forward(q, k, v, True, None, o, lse)
+    grads = [guarded(t.shape, t.dtype) for t in (q, k, v)]
+    IMPLS[impl].attention_backward(q, k, v, o, lse, do, True, None, *(g for g, _ in grads))
+    for view, buffer in [(o, o_buffer), (lse, lse_buffer), *grads]:
+        inside = torch.zeros_like(buffer, dtype=torch.bool)
+        inside[tuple(slice(2, 2 + n) for n in view.shape)] = True
+        assert buffer[~inside].isnan().all(), "an element outside the output was written"
+    assert not o.isnan().any() and not any(g.isnan().any() for g, _ in grads)
+    assert (lse.isinf() == torch.tensor([[[True, True] + [False] * 5] * 2])).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_repeatability(impl):
+    """Two runs give the same bits: no atomics, fixed orders (GQA's heads summed in order)."""
+    q, k, v, do = operands(1, 40, 40, 4, 2, 32, torch.bfloat16)
+    runs = [check_backward(impl, q, k, v, do, True) for _ in range(2)]
+    for first, second in zip(*runs, strict=True):
+        assert_same_bits(first, second, f"{impl} gradient")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_special_values(impl):
+    """Scores of 1e4 do not overflow (float32 within the bound); a NaN in one key reaches every
+    row that sees it and only those; a query that sees no key has O = 0 and lse = -inf."""
+    q, k, v, do = operands(1, 6, 6, 2, 2, 16, torch.bfloat16)
+    check_forward(impl, q * 25, k * 25, v, False)  # |scores| up to about 1e4 / sqrt(16)
+    k_nan = k.clone()
+    k_nan[0, 3, 0, 0] = math.nan
+    o, lse = check_forward(impl, q, k_nan, v, True)
+    assert (
+        o[0, :3, 0].isfinite().all() and o[0, 3:, 0].isnan().all() and o[0, :, 1].isfinite().all()
+    )
+    o, lse = check_forward(impl, q, k[:, :2], v[:, :2], True)  # S_q = 6 > S_k = 2
+    assert (o[0, :4] == 0).all() and (lse[0, :, :4] == -math.inf).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_negative_controls(impl):
+    """The bound rejects the plausible bugs: a key dropped from the softmax, the causal mask
+    off by one, and the lse of the neighbouring row."""
+    q, k, v, _ = operands(1, 12, 12, 2, 2, 16, torch.bfloat16)
+    o, lse = check_forward(impl, q, k, v, True)
+    scale = 1 / math.sqrt(16)
+    exact_o, exact_lse = float64_forward(q, k, v, True, scale)
+    o_bound, lse_bound = forward_bound(q, k, v, exact_o, True, scale)
+    dropped_o, _ = float64_forward(q, k[:, :-1], v[:, :-1], True, scale)  # the last key gone
+    # The diagonal moved by one: query i also sees key i + 1 (S_q = S_k here).
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * scale
+    rows, cols = torch.arange(12, device=DEVICE)[:, None], torch.arange(12, device=DEVICE)
+    p = scores.masked_fill(cols > rows + 1, -math.inf).softmax(-1)
+    wrong_o = torch.einsum("bhij,bjhd->bihd", p, v.double())
+    for name, bad in (("a key dropped", dropped_o), ("mask off by one", wrong_o)):
+        with pytest.raises(AssertionError):
+            assert_within_bound(bad, exact_o, o_bound, name)
+    with pytest.raises(AssertionError):
+        assert_within_bound(lse.roll(1, dims=2), exact_lse, lse_bound, "the neighbour's lse")
+
+
+def bad_inputs():
+    """(q, k, v, causal, scale, what the message names) for each kind of bad input."""
+    q, k, v, _ = operands(1, 4, 4, 2, 1, 8, torch.float32)
+    yield q.half(), k, v, False, None, "k must be"
+    yield q, k[..., :4], v, False, None, "k must have shape"
+    yield q, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), False, None, "multiple"
+    yield q.new_empty(1, 4, 8, 2).transpose(2, 3), k, v, False, None, "q's head dimension"
+    yield q.int(), k, v, False, None, "q must be float32"
+    yield q, k, v, 1, None, "causal must be a bool"
+    yield q, k, v, False, -1.0, "scale"
+    yield q[..., ::2], k[..., ::2], v[..., ::2], False, None, "contiguous"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", range(8))
+def test_bad_input_raises_before_launch(impl, case):
+    """A clear error naming the operand, and the outputs untouched."""
+    q, k, v, causal, scale, words = list(bad_inputs())[case]
+    o = torch.full((1, 4, 2, 8), 7.0, device=DEVICE)
+    lse = torch.full((1, 2, 4), 7.0, device=DEVICE)
+    if q.shape[3] != 8:
+        o = torch.full(q.shape, 7.0, device=DEVICE) if q.dim() == 4 else o
+    with pytest.raises((TypeError, ValueError), match=words):
+        IMPLS[impl].attention_forward(q, k, v, causal, scale, o, lse)
+    assert (o == 7).all() and (lse == 7).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_outputs_must_not_overlap(impl):
+    """An output that reaches an input's memory is refused before anything is written."""
+    q, k, v, _ = operands(1, 4, 4, 2, 2, 8, torch.float32)
+    lse = torch.empty(1, 2, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="overlaps"):
+        IMPLS[impl].attention_forward(q, k, v, False, None, q, lse)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_autograd_and_compile(impl):
+    """The autograd.Function's gradients equal the explicit backward's; torch.compile with
+    fullgraph traces the custom op (eager backend: no compiler needed on the CPU)."""
+    q, k, v, do = operands(1, 9, 9, 2, 1, 16, torch.float32)
+    grads = check_backward(impl, q, k, v, do, True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    IMPLS[impl].attention(*leaves, causal=True).backward(do)
+    for leaf, grad in zip(leaves, grads, strict=True):
+        assert_same_bits(leaf.grad, grad, f"{impl} autograd")
+    compiled = torch.compile(IMPLS[impl].attention, fullgraph=True, backend="eager")
+    out = compiled(q, k, v, causal=True)
+    assert_same_bits(out, IMPLS[impl].attention(q, k, v, causal=True), f"{impl} compiled")
+
+
+# (3) Triton-specific --------------------------------------------------------------------------
+
+
+def test_triton_head_dims_pad_to_powers_of_two():
+    """D = 20 runs in a 32-wide block (masked), D = 256 in 256, the smallest is tl.dot's 16."""
+    q = torch.empty(1, 1, 1, 20)
+    assert triton_impl.constants(q, triton_impl.FORWARD_TILE)["BLOCK_D"] == 32
+    assert triton_impl.constants(q[..., :1], triton_impl.FORWARD_TILE)["BLOCK_D"] == 16
+    assert (
+        triton_impl.constants(torch.empty(1, 1, 1, 256), triton_impl.FORWARD_TILE)["BLOCK_D"] == 256
+    )
+
+
+# (5) GPU-only sizes ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ON_GPU, reason="model sizes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_model_sizes_against_float64(impl, head_dim, causal):
+    """B = 1, S = 1031 queries and 1024 keys, 8 query heads over 2 KV heads, bf16."""
+    q, k, v, do = operands(1, 1031, 1024, 8, 2, head_dim, torch.bfloat16)
+    check_backward(impl, q, k, v, do, causal)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))

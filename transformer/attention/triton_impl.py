@@ -1,0 +1,321 @@
+"""Attention as Triton kernels: FlashAttention-2's forward and a deterministic backward.
+
+`attention_forward_kernel`: one program per (block of BLOCK_M queries, batch x query head). It
+holds its Q block, streams K and V in blocks of BLOCK_N keys, and keeps per row the running
+max m, the running sum l of exp and the unnormalised output acc (online softmax, in the exp2
+domain: scores are scaled by scale * log2 e once). A new max rescales l and acc by
+exp2(m_old - m_new); P is rounded to the input dtype for the P V product (the tensor cores take
+16-bit P), as torch_impl does. The score matrix never leaves registers. Causal programs stop at
+the last key block their rows can see.
+
+The backward recomputes P from the saved lse and never adds into memory shared between
+programs, so the same inputs give the same bits: `attention_delta_kernel` forms
+D_i = sum_d dO_id O_id; `attention_dkdv_kernel`, one program per (key block, batch x KV head),
+walks the query heads of its group and their query blocks in a fixed order, accumulating dK and
+dV in registers; `attention_dq_kernel`, one program per (query block, batch x query head),
+walks the key blocks for dQ. README.md's "Triton" section maps them; its bound counts the
+roundings.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference import backward_outputs, check_operands, default_scale, forward_outputs
+from torch_impl import model_plumbing
+
+LOG2E = 1.4426950408889634
+# Tiles: 128 queries x 64 keys holds a 128 x D float32 accumulator over 8 warps (D = 128: 64
+# registers a thread) beside the 128 x 64 scores; the backward's 64 x 64 tiles keep dK, dV (or
+# dQ) and two score-sized blocks live at once.
+FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+BACKWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # interpreter
+DELTA_ROWS = 64
+
+
+@triton.jit
+def load_block(ptr, rows, row_stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               UPCAST: tl.constexpr):  # fmt: skip
+    """A [len(rows), BLOCK_D] block: rows past n_rows and columns past HEAD_DIM read 0."""
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    block = tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+    if UPCAST:  # the interpreter's dot is wrong on 16-bit values; widening is exact
+        block = block.to(tl.float32)
+    return block
+
+
+@triton.jit
+def visible_keys(rows, cols, s_q, s_k, CAUSAL: tl.constexpr):
+    """[rows, cols] mask: key inside S_k and, causal, j <= i + S_k - S_q."""
+    seen = (cols[None, :] < s_k) & (rows[:, None] >= 0)
+    if CAUSAL:
+        seen = seen & (cols[None, :] <= rows[:, None] + (s_k - s_q))
+    return seen
+
+
+@triton.jit
+def attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, heads, group, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+    stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    block_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // heads).to(tl.int64), bh % heads
+    g = (h // group).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    keys = tl.arange(0, BLOCK_N)
+    q = load_block(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D,
+                   UPCAST)  # fmt: skip
+    k_base, v_base = k_ptr + b * stride_kb + g * stride_kh, v_ptr + b * stride_vb + g * stride_vh
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = s_k
+    if CAUSAL:  # keys past the block's last row's diagonal are masked for every row
+        end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
+    for start in range(0, end, BLOCK_N):
+        cols = start + keys
+        k = load_block(k_base, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        scores = (
+            tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        )  # log2 units: exp(S) = exp2(scores)
+        scores = tl.where(visible_keys(rows, cols, s_q, s_k, CAUSAL), scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees nothing yet
+        rescale = tl.exp2(row_max - shift)
+        p = tl.exp2(scores - shift[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        v = load_block(v_base, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        row_max = new_max
+    # A row that saw no key has a sum of 0: O = 0 and lse = -inf, as the definition says.
+    inverse = tl.where(row_sum > 0, 1.0 / row_sum, 0.0)
+    o = acc * inverse[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_os + cols[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty),
+             mask=(rows[:, None] < s_q) & (cols[None, :] < HEAD_DIM))  # fmt: skip
+    lse = (row_max + tl.log2(row_sum)) * 0.6931471805599453  # back to the natural log
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=rows < s_q)
+
+
+@triton.jit
+def attention_delta_kernel(
+    o_ptr, do_ptr, delta_ptr, s_q, heads, stride_ob, stride_os, stride_oh, stride_db,
+    stride_ds, stride_dh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """delta[bh, i] = sum_d dO_id O_id in float32, for ROWS query rows of one batch and head."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // heads).to(tl.int64), bh % heads
+    rows = block * ROWS + tl.arange(0, ROWS)
+    o = load_block(o_ptr + b * stride_ob + h * stride_oh, rows, stride_os, s_q, HEAD_DIM,
+                   BLOCK_D, True)  # fmt: skip
+    do = load_block(do_ptr + b * stride_db + h * stride_dh, rows, stride_ds, s_q, HEAD_DIM,
+                    BLOCK_D, True)  # fmt: skip
+    tl.store(delta_ptr + bh.to(tl.int64) * s_q + rows, tl.sum(o * do, axis=1), mask=rows < s_q)
+
+
+@triton.jit
+def attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, s_q, s_k, heads, group,
+    qk_scale, scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    block_n, bg = tl.program_id(0), tl.program_id(1)
+    heads_kv = heads // group
+    b, g = (bg // heads_kv).to(tl.int64), (bg % heads_kv).to(tl.int64)
+    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = load_block(k_ptr + b * stride_kb + g * stride_kh, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D,
+                   UPCAST)  # fmt: skip
+    v = load_block(v_ptr + b * stride_vb + g * stride_vh, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D,
+                   UPCAST)  # fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    first = 0
+    if CAUSAL:  # queries before the block's first key's diagonal see none of its keys
+        first = tl.maximum(block_n * BLOCK_N - (s_k - s_q), 0) // BLOCK_M * BLOCK_M
+    for h in range(g * group, g * group + group):  # the group's query heads, in order
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_db + h * stride_dh
+        stats = b * stride_lb + h * stride_lh
+        for start in range(first, s_q, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q = load_block(q_base, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D, UPCAST)
+            do = load_block(do_base, rows, stride_ds, s_q, HEAD_DIM, BLOCK_D, UPCAST)
+            lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + (b * heads + h) * s_q + rows, mask=rows < s_q, other=0.0)
+            scores = (
+                tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            )  # [BLOCK_M, BLOCK_N], log2 units
+            seen = visible_keys(rows, cols, s_q, s_k, CAUSAL) & (rows[:, None] < s_q)
+            p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+    mask = (cols[:, None] < s_k) & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    dk_ptrs = dk_ptr + b * stride_dkb + g * stride_dkh + cols[:, None] * stride_dks + offs_d
+    dv_ptrs = dv_ptr + b * stride_dvb + g * stride_dvh + cols[:, None] * stride_dvs + offs_d
+    tl.store(dk_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
+    scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+    stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh, stride_dqb,
+    stride_dqs, stride_dqh, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    block_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // heads).to(tl.int64), bh % heads
+    g = (h // group).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_block(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D,
+                   UPCAST)  # fmt: skip
+    do = load_block(do_ptr + b * stride_db + h * stride_dh, rows, stride_ds, s_q, HEAD_DIM,
+                    BLOCK_D, UPCAST)  # fmt: skip
+    stats = b * stride_lb + h * stride_lh
+    lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + rows, mask=rows < s_q, other=0.0)
+    k_base, v_base = k_ptr + b * stride_kb + g * stride_kh, v_ptr + b * stride_vb + g * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = s_k
+    if CAUSAL:
+        end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = load_block(k_base, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        v = load_block(v_base, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        seen = visible_keys(rows, cols, s_q, s_k, CAUSAL)
+        p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    cols = tl.arange(0, BLOCK_D)
+    dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + cols[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=(rows[:, None] < s_q) & (cols[None, :] < HEAD_DIM))  # fmt: skip
+
+
+# Read once: test.py sets it before importing Triton.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch_triton_interpreter():
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes (see dot/triton_impl.py):
+    numpy 2.4 refuses int() of a one-element array, which .item() does, and the interpreter's
+    float32 <-> bfloat16 conversions truncate, which torch's exact conversions replace."""
+    import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, convert = interpreter._patch_lang_tensor, interpreter._convert_float
+
+    def patch_with_item(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: self.handle.data.item())
+
+    def exact(values, src, dst, rounding_mode):
+        values = np.ascontiguousarray(values)
+        if src == tl.float32 and dst == tl.bfloat16:
+            rounded = torch.from_numpy(values.view(np.float32)).to(torch.bfloat16)
+            return rounded.view(torch.int16).numpy()
+        if src == tl.bfloat16 and dst == tl.float32:
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return convert(values, src, dst, rounding_mode)
+
+    interpreter._patch_lang_tensor, interpreter._convert_float = patch_with_item, exact
+
+
+if INTERPRETED:
+    patch_triton_interpreter()
+
+
+def on_device_of(t):
+    """Launch context for t: its GPU made current when it is not (the CPU under the interpreter)."""
+    if t.is_cuda:
+        if t.get_device() == torch.cuda.current_device():
+            return contextlib.nullcontext()
+        return torch.cuda.device(t.device)
+    if INTERPRETED:
+        return contextlib.nullcontext()
+    raise ValueError(
+        f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+    )
+
+
+def constants(q, tile):
+    """The launch's compile-time choices: the tile (a small one under the interpreter), the head
+    dimension padded to a power of two (16 at least: tl.dot's smallest), the interpreter's
+    upcast of 16-bit values, and IEEE float32 for float32 data (no TF32)."""
+    head_dim = q.shape[3]
+    tile = SMALL_TILE if INTERPRETED else tile
+    return {**tile, "HEAD_DIM": head_dim, "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+            "UPCAST": INTERPRETED and q.dtype != torch.float32}  # fmt: skip
+
+
+def attention_forward(q, k, v, causal, scale, o, lse):
+    check_operands(q, k, v, causal, scale, forward_outputs(q, k, o, lse))
+    batch, s_q, heads, head_dim = q.shape
+    scale = default_scale(head_dim, scale)
+    if o.numel() == 0:
+        return o, lse
+    config = constants(q, FORWARD_TILE)
+    grid = (triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)
+    with on_device_of(q):
+        attention_forward_kernel[grid](
+            q, k, v, o, lse, s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            lse.stride(0), lse.stride(1), CAUSAL=causal, **config,
+        )  # fmt: skip
+    return o, lse
+
+
+def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
+    check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv))
+    if do.shape != q.shape or do.dtype != q.dtype or do.stride(3) != 1:
+        raise ValueError("do must match q's shape and dtype, its head dimension contiguous")
+    batch, s_q, heads, head_dim = q.shape
+    s_k, heads_kv = k.shape[1], k.shape[2]
+    scale = default_scale(head_dim, scale)
+    if dk.numel():
+        dk.zero_(), dv.zero_()  # keys no query sees (s_q = 0) get 0; the kernel overwrites the rest
+    if dq.numel() == 0:
+        return dq, dk, dv
+    config = constants(q, BACKWARD_TILE)
+    group = heads // heads_kv
+    delta = torch.empty(batch * heads, s_q, dtype=torch.float32, device=q.device)
+    common = (s_q, s_k, heads, group, scale * LOG2E, scale, *q.stride()[:3], *k.stride()[:3],
+              *v.stride()[:3], *do.stride()[:3], lse.stride(0), lse.stride(1))  # fmt: skip
+    with on_device_of(q):
+        attention_delta_kernel[(triton.cdiv(s_q, DELTA_ROWS), batch * heads)](
+            o, do, delta, s_q, heads, *o.stride()[:3], *do.stride()[:3], HEAD_DIM=head_dim,
+            BLOCK_D=config["BLOCK_D"], ROWS=DELTA_ROWS,
+        )  # fmt: skip
+        if s_k:
+            attention_dkdv_kernel[(triton.cdiv(s_k, config["BLOCK_N"]), batch * heads_kv)](
+                q, k, v, do, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
+                CAUSAL=causal, **config,
+            )  # fmt: skip
+        attention_dq_kernel[(triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)](
+            q, k, v, do, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+AttentionFunction, attention, _forward_op = model_plumbing(
+    "triton", attention_forward, attention_backward
+)
