@@ -72,10 +72,10 @@ def passing_impls(test_log):
         }
 
     passed, failed = set(), set()
-    for line in lines:
-        if line.startswith("PASSED"):
+    for line in lines:  # -rA's summary lines ("PASSED test.py::...") or -v's ("... PASSED [ 5%]")
+        if line.startswith("PASSED") or re.search(r"::\S+ PASSED", line):
             passed |= named(line)
-        elif line.startswith("FAILED"):
+        elif line.startswith("FAILED") or re.search(r"::\S+ FAILED", line):
             failed |= named(line) or set(IMPL_OF.values())
     return passed - failed
 
@@ -99,9 +99,49 @@ def eager(row):
 
 
 def largest_rows(results):
+    """The rows of the largest size; of two shapes of one size, the first bench.py timed."""
     largest = max(math.prod(row["shape"]) for row in timed_rows(results))
-    rows = [row for row in timed_rows(results) if math.prod(row["shape"]) == largest]
-    return rows, size_of(rows[0]["shape"])
+    shape = next(r["shape"] for r in timed_rows(results) if math.prod(r["shape"]) == largest)
+    rows = [row for row in timed_rows(results) if row["shape"] == shape]
+    return rows, size_of(shape)
+
+
+def is_attention(results):
+    """Attention's rows carry `causal` and report TFLOP/s against the bf16 matmul ceiling."""
+    return any("causal" in row for row in results["rows"])
+
+
+def attention_rows(results):
+    """The timed rows at the first shape bench.py timed (its headline shape)."""
+    shape = timed_rows(results)[0]["shape"]
+    return [r for r in timed_rows(results) if r["shape"] == shape and "kv_heads" not in r], shape
+
+
+def attention_table(results):
+    """TFLOP/s of every implementation at the headline shape, per pass and mask, with the ratio
+    to cuDNN and to FlashAttention-4 timed in the same run."""
+    rows, shape = attention_rows(results)
+    ceiling = results["ceilings"]["bf16_matmul_TFLOPs"]
+    lines = [
+        f"{results['device']}, B x S x H x D = {' x '.join(map(str, shape))}, bf16; matmul "
+        f"ceiling (torch.matmul, bf16 8192^3) measured in the same run: {ceiling:.0f} TFLOP/s. "
+        "TFLOP/s (x cuDNN, x FA4).",
+        "",
+        "| implementation | fwd | fwd+bwd | causal fwd | causal fwd+bwd |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    cases = [(p, c) for c in (False, True) for p in ("fwd", "fwd+bwd")]
+    rate = {(r["impl"], r["pass"], r["causal"]): r["TFLOPs"] for r in rows}
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        cells = []
+        for p, c in cases:
+            mine = rate.get((impl, p, c))
+            ratios = [
+                f"{mine / rate[(a, p, c)]:.2f}" for a in ("cudnn", "fa4") if (a, p, c) in rate
+            ]
+            cells.append(f"{mine:.0f} ({', '.join(ratios)})" if mine else "")
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + per_call_table(results))
 
 
 # The sizes a model calls (issue 13): vectors of 2**20 and 2**24, matrices of 4096^2 and 8192^2.
@@ -215,6 +255,8 @@ def compute_table(results):
 
 
 def folder_table(results):
+    if is_attention(results):
+        return attention_table(results) + "\n\n![TFLOP/s per shape](perf.png)"
     if is_compute_bound(results):
         return compute_table(results)
     rows, size = largest_rows(results)
@@ -331,7 +373,19 @@ def replace_block(path, body, name="results"):
 
 def summary(results):
     """Triton's and CuTe's % of the copy ceiling at the largest size, per dtype (and layout);
-    for gemm their % of cuBLAS at 8192^3."""
+    for gemm their % of cuBLAS at 8192^3; for attention Triton's and CuTe's TFLOP/s and ratio to
+    FA4 at the headline shape."""
+    if is_attention(results):
+        rows, shape = attention_rows(results)
+        rate = {(r["impl"], r["pass"], r["causal"]): r["TFLOPs"] for r in rows}
+        parts = []
+        for (impl, p, c), tflops in rate.items():
+            if impl in ("triton", "cute") and (("fa4", p, c) in rate):
+                mask = "causal " if c else ""
+                parts.append(
+                    f"{impl} {mask}{p} {tflops:.0f} TFLOP/s ({tflops / rate['fa4', p, c]:.2f}x FA4)"
+                )
+        return f"{' x '.join(map(str, shape))} bf16: " + "; ".join(parts)
     if is_compute_bound(results):
         parts = []
         for dtype in dict.fromkeys(row["dtype"] for row in timed_rows(results)):

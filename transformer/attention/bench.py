@@ -2,6 +2,7 @@
 
     python bench.py            writes results.json and perf.png beside this file
     python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 only, no files
+    python bench.py --headline that shape causal and not, with the per-call rows; files
 
 Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
 are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
@@ -207,11 +208,11 @@ def plot(rows, path):
     figure.savefig(path, dpi=110)
 
 
-def main(quick=False):
+def main(quick=False, headline=False):
     ceiling, impls, rows = matmul_ceiling_tflops(), implementations(), []
     if not quick:
         rows += per_call_rows(impls)
-    for shape in [HEADLINE] if quick else [HEADLINE, *SWEEP]:
+    for shape in [HEADLINE] if quick or headline else [HEADLINE, *SWEEP]:
         for causal in (False, True):
             rows += shape_rows(impls, shape, causal, ceiling)
             torch.cuda.empty_cache()
@@ -225,4 +226,4 @@ def main(quick=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(quick="--quick" in sys.argv, headline="--headline" in sys.argv)

@@ -2,6 +2,7 @@
 
     python bench.py            writes results.json and perf.png beside this file
     python bench.py --quick    bf16 at the two headline shapes only, no files
+    python bench.py --headline both dtypes at the two headline shapes, per-call rows; files
 
 Minimal traffic: the forward reads the MV logits (the M targets, losses and lse are noise);
 fwd+bwd counts 3MV, the forward's read, the backward's read and its write of dx (DESIGN.md's
@@ -206,7 +207,8 @@ def plot(rows, path):
     timed = [r for r in rows if r["ms"] is not None]
     panels = [(d, p) for d in ("bfloat16", "float32") for p in ("fwd", "fwd+bwd")]
     figure, axes = plt.subplots(len(panels), 1, figsize=(12, 4 * len(panels)))
-    labels = [f"{m}x{n}" for m, n in SHAPES]
+    timed_shapes = {tuple(r["shape"]) for r in timed}
+    labels = [f"{m}x{n}" for m, n in SHAPES if (m, n) in timed_shapes]
     names = list(dict.fromkeys(r["impl"] for r in timed))
     width = 1 / (len(names) + 1)
     for ax, (dtype, pass_name) in zip(axes, panels, strict=True):
@@ -225,12 +227,12 @@ def plot(rows, path):
     figure.savefig(path, dpi=120)
 
 
-def main(quick=False):
+def main(quick=False, headline=False):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
     for dtype in DTYPES[:1] if quick else DTYPES:
         if not quick:
             rows += per_call_rows(impls, dtype)
-        for shape in QUICK_SHAPES if quick else SHAPES:
+        for shape in QUICK_SHAPES if quick or headline else SHAPES:
             rows += shape_rows(impls, dtype, shape, ceiling)
     print(f"copy ceiling {ceiling:.0f} GB/s")
     results = {"device": torch.cuda.get_device_name(), "ceilings": {"copy_GBps": ceiling},
@@ -242,4 +244,4 @@ def main(quick=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(quick="--quick" in sys.argv, headline="--headline" in sys.argv)
