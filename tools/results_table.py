@@ -465,7 +465,11 @@ def main(logs):
     ]
     table += [kernel_row(logs, name, *about, kept) for name, about in KERNELS.items()]
     replace_block(ROOT / "README.md", "\n".join(table))
-    modules = [columns + "| H200: % of copy bandwidth at the largest size, fwd and fwd+bwd |", rule]
+    modules = [
+        columns
+        + "| H200: % of copy bandwidth at the largest size, fwd and fwd+bwd (attention: TFLOP/s) |",
+        rule,
+    ]
     modules += [
         kernel_row(logs, f"transformer/{name}", *about, kept)
         for name, about in MODULES.items()
