@@ -111,16 +111,18 @@ def is_attention(results):
     return any("causal" in row for row in results["rows"])
 
 
-def attention_rows(results):
-    """The timed rows at the first shape bench.py timed (its headline shape)."""
+def attention_rates(results):
+    """({(impl, pass, causal): TFLOP/s}, shape) at the first shape bench.py timed (its
+    headline shape), in the order the rows were timed."""
     shape = timed_rows(results)[0]["shape"]
-    return [r for r in timed_rows(results) if r["shape"] == shape and "kv_heads" not in r], shape
+    rows = [r for r in timed_rows(results) if r["shape"] == shape and "kv_heads" not in r]
+    return {(r["impl"], r["pass"], r["causal"]): r["TFLOPs"] for r in rows}, shape
 
 
 def attention_table(results):
     """TFLOP/s of every implementation at the headline shape, per pass and mask, with the ratio
     to cuDNN and to FlashAttention-4 timed in the same run."""
-    rows, shape = attention_rows(results)
+    rate, shape = attention_rates(results)
     ceiling = results["ceilings"]["bf16_matmul_TFLOPs"]
     lines = [
         f"{results['device']}, B x S x H x D = {' x '.join(map(str, shape))}, bf16; matmul "
@@ -131,8 +133,7 @@ def attention_table(results):
         "| --- | --- | --- | --- | --- |",
     ]
     cases = [(p, c) for c in (False, True) for p in ("fwd", "fwd+bwd")]
-    rate = {(r["impl"], r["pass"], r["causal"]): r["TFLOPs"] for r in rows}
-    for impl in dict.fromkeys(r["impl"] for r in rows):
+    for impl in dict.fromkeys(impl for impl, _, _ in rate):
         cells = []
         for p, c in cases:
             mine = rate.get((impl, p, c))
@@ -376,8 +377,7 @@ def summary(results):
     for gemm their % of cuBLAS at 8192^3; for attention Triton's and CuTe's TFLOP/s and ratio to
     FA4 at the headline shape."""
     if is_attention(results):
-        rows, shape = attention_rows(results)
-        rate = {(r["impl"], r["pass"], r["causal"]): r["TFLOPs"] for r in rows}
+        rate, shape = attention_rates(results)
         parts = []
         for (impl, p, c), tflops in rate.items():
             if impl in ("triton", "cute") and (("fa4", p, c) in rate):

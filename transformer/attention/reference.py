@@ -98,7 +98,7 @@ def check_operands(q, k, v, causal, scale, outputs=()):
         ranges.append((name, (start, end)))
 
 
-def forward_outputs(q, k, o, lse):
+def forward_outputs(q, o, lse):
     batch, s_q, heads, _ = q.shape
     return (("o", o, q.shape, q.dtype), ("lse", lse, (batch, heads, s_q), torch.float32))
 

@@ -154,9 +154,9 @@ def backward_bounds(q, k, v, o_hat, lse_hat, do, causal, scale):
     dp = torch.einsum("bihd,bjhd->bhij", do64, values)
     dp_error = gamma(head_dim + 2, U32) * torch.einsum("bihd,bjhd->bhij", do64.abs(), values.abs())
     delta = (do64 * exact_o).sum(-1).transpose(1, 2)[..., None]
-    delta_error = (do64.abs() * (o_bound + (o_hat.double() - exact_o).abs().clamp_max(0))).sum(
-        -1
-    ) + gamma(head_dim + 2, U32) * (do64 * o_hat.double()).abs().sum(-1)
+    delta_error = (do64.abs() * o_bound).sum(-1) + gamma(head_dim + 2, U32) * (
+        do64 * o_hat.double()
+    ).abs().sum(-1)
     delta_error = delta_error.transpose(1, 2)[..., None]  # fmt: skip
     ds = p * (dp - delta)
     ds_error = (rho * p * (dp - delta).abs() + p * (dp_error + delta_error)) * (1 + u_in)

@@ -37,7 +37,7 @@ def probabilities(q, k, causal, scale, lse=None, dtype=torch.float32):
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
-    check_operands(q, k, v, causal, scale, forward_outputs(q, k, o, lse))
+    check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
     scale = default_scale(q.shape[3], scale)
     p, row_lse = probabilities(q, k, causal, scale)
     values = v.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)

@@ -267,7 +267,7 @@ def constants(q, tile):
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
-    check_operands(q, k, v, causal, scale, forward_outputs(q, k, o, lse))
+    check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
     batch, s_q, heads, head_dim = q.shape
     scale = default_scale(head_dim, scale)
     if o.numel() == 0:
