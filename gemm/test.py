@@ -1840,25 +1840,29 @@ def test_cute_split_k_in_a_cuda_graph():
 # The 64-row tile of decode steps (m <= 64): its two consumer warpgroups split it along n.
 # Rows of C around the tile height, and a C that step 3 splits or leaves to step 2 (15 k steps).
 DECODE_TILE_ROWS = [1, 17, 63, 64, 65]
+WGMMA_SHAPE = r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)"  # the shapes a PTX issues
 
 
 @needs_cute
-@pytest.mark.parametrize("step", [cute_step2, cute_step3], ids=["step2", "step3"])
+@pytest.mark.parametrize("step", [2, 3])
 @pytest.mark.parametrize("tile_n", [128, 256])
 def test_cute_decode_tile_ptx(step, tile_n):
     """A 64-row tile issues m64 n(tile_n / 2) k16 wgmmas, one half of the B tile each
     warpgroup, where the 128-row tile issues m64 n(tile_n) k16; with no A row of padding its
-    ring holds more stages, 2 mbarriers each (STAGE_BUDGET_BYTES over (64 + tile_n) 128-byte
-    rows: 9 or 5, against 6 or 4)."""
-    wgmma = r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)"
+    ring holds more stages, 2 mbarriers each (ring_stages: 9 or 5, against 6 or 4)."""
+    ptx_of = (cute_step2, cute_step3)[step - 2].ptx_of
     for tile_m, wgmma_n in ((64, tile_n // 2), (128, tile_n)):
-        ptx = step.ptx_of(torch.bfloat16, tile_n=tile_n, tile_m=tile_m)
-        assert set(re.findall(wgmma, ptx)) == {f"m64n{wgmma_n}k16"}, (tile_m, tile_n)
-        stages = cute_step2.STAGE_BUDGET_BYTES // ((tile_m + tile_n) * cute_step2.TILE_K_BYTES)
-        assert ptx.count("mbarrier.init") == 2 * stages
-    assert cute_step2.STAGE_BUDGET_BYTES // ((64 + 128) * cute_step2.TILE_K_BYTES) == 9
-    tf32 = cute_step3.ptx_of(torch.float32, tile_n=128, tile_m=64)
-    assert set(re.findall(wgmma, tf32)) == {"m64n64k8"}
+        ptx = ptx_of(torch.bfloat16, tile_n=tile_n, tile_m=tile_m)
+        assert set(re.findall(WGMMA_SHAPE, ptx)) == {f"m64n{wgmma_n}k16"}, (tile_m, tile_n)
+        assert ptx.count("mbarrier.init") == 2 * cute_step2.ring_stages(tile_m, tile_n)
+    assert cute_step2.ring_stages(64, 128) == 9 and cute_step2.ring_stages(128, 128) == 6
+
+
+@needs_cute
+def test_cute_decode_tile_tf32_ptx():
+    """float32 with TF32 on a 64 x 128 tile: m64n64k8 wgmmas, half the tile's width each."""
+    ptx = cute_step3.ptx_of(torch.float32, tile_n=128, tile_m=64)
+    assert set(re.findall(WGMMA_SHAPE, ptx)) == {"m64n64k8"}
 
 
 @needs_cute

@@ -10,7 +10,7 @@ Part 2: m = 64 and 128 at the same (n, k), every plan forced: tile_m 64 or 128, 
 each result's largest error against float32 cuBLAS in units of |A||B| (a wrong plan shows as a
 large number, not a silent time). About 90 s on the H200. Run from gemm/:
 
-    python probe_decode.py        (writes $OUT/probe_decode.json when OUT is set)
+    python probe_decode_tile.py        (writes $OUT/probe_decode_tile.json when OUT is set)
 """
 
 import contextlib
@@ -124,7 +124,7 @@ def main():
             print(f"    slowest {results[-1][0]:.1f} us; largest error of any plan {worst:.1e}")
     print(f"{time.time() - started:.0f} s")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "probe_decode.json").write_text(json.dumps(record, indent=1))
+        Path(os.environ["OUT"], "probe_decode_tile.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
