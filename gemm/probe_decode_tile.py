@@ -66,8 +66,8 @@ def cute_clusters_of_1(alpha, A, B, beta, C):
 
 
 def error_units(gemm, A, B, C):
-    """max |gemm's C - cuBLAS float32| / max(|A| |B| + |beta C|): about u_bf16 = 0.004 or less
-    when right, O(1) when wrong."""
+    """The largest |gemm's c_ij - float32 cuBLAS's| / (|A| |B| + |beta C|)_ij: at most about
+    the bf16 store's 2**-8 when right, O(1) when wrong."""
     expected = torch.addmm(C.float(), A.float(), B.float(), beta=bench.BETA, alpha=bench.ALPHA)
     scale = A.float().abs() @ B.float().abs() + abs(bench.BETA) * C.float().abs()
     result = C.clone()
@@ -114,7 +114,9 @@ def main():
                         results.append((us, tile_m, tile_n, splits, error))
             results.sort()
             record["sweep"].append([m, n, k, library_us, results])
-            print(f"{m} x {n} x {k}: cuBLAS {library_us:.1f} us; chosen {plan_taken(m, n, k)};")
+            chosen = plan_taken(m, n, k)
+            chosen_us = next((us for us, *plan, _ in results if tuple(plan) == chosen), None)
+            print(f"{m} x {n} x {k}: cuBLAS {library_us:.1f} us; chosen {chosen}: {chosen_us} us")
             for us, tile_m, tile_n, splits, error in results[:6]:
                 print(
                     f"    {us:6.1f} us  {library_us / us:5.2f}x  tile {tile_m} x {tile_n}, "
