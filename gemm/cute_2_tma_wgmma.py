@@ -7,7 +7,9 @@ copies A and B tiles into a ring of swizzled shared-memory buffers guarded by mb
 warpgroups multiply with wgmma into float32 accumulators and finish C, two columns a time
 where they can (`consume`, `finish_tile`); blocks are persistent, in clusters of two that
 share each B tile by TMA multicast, walking step 1's grouped order (`run_roles` gives the two
-roles their work units: here whole tiles, `whole_tile`). The arithmetic is step 1's, r = k + 2.
+roles their work units: here whole tiles, `whole_tile`). A C of at most 64 rows takes 64-row
+tiles, which the two warpgroups split along n (`hopper_tile_m`, `make_tiled_mma`; README.md,
+"Step 3"). The arithmetic is step 1's, r = k + 2.
 Then the TF32 MMA atom, the launcher, the dispatch (`tma_major`, `choose_kernel`), the builds
 and `gemm`, which runs here what TMA and wgmma take and everything else on step 1.
 """
@@ -43,16 +45,20 @@ SM_COUNT = 132
 
 # The Hopper kernel. wgmma is issued by a warpgroup, 4 warps of 32 threads, and its M is 64:
 # two consumer warpgroups make a 128-row tile, so each B tile in shared memory feeds 128 rows.
+# A C of at most WGMMA_M rows (a decode step) takes tiles of WGMMA_M rows instead, which the
+# two warpgroups split along n (`make_tiled_mma`): no row of the A tile is padding.
 WARPGROUP_THREADS = 128
 CONSUMER_WARPGROUPS = 2
 HOPPER_THREADS = (1 + CONSUMER_WARPGROUPS) * WARPGROUP_THREADS
-TILE_M = 64 * CONSUMER_WARPGROUPS
+WGMMA_M = 64
+TILE_M = WGMMA_M * CONSUMER_WARPGROUPS
 # 128 bytes of a row per k step: one swizzle atom of the 128-byte swizzle, which wgmma reads
 # without bank conflicts (64 16-bit or 32 float32 values).
 TILE_K_BYTES = 128
 # Shared memory for the ring of A and B buffers: 4 stages of 128 x 64 + 256 x 64 16-bit values
-# (48 KiB each) or 6 of 128 x 64 + 128 x 64 (32 KiB each), within the H200's 227 KiB a block.
-STAGE_BUDGET_BYTES = 192 * 1024
+# (48 KiB each) or 6 of 128 x 64 + 128 x 64 (32 KiB each); 64-row tiles fit 5 of 40 KiB or 9
+# of 24 KiB, more of W in flight. Within the H200's 227 KiB a block, with the mbarriers.
+STAGE_BUDGET_BYTES = 216 * 1024
 # setmaxnreg: the producer only computes addresses; the consumers hold the accumulators
 # (128 float32 a thread at tile_n = 256). 128 * 40 + 256 * 232 fits the 64 Ki registers of an SM.
 PRODUCER_REGISTERS = 40
@@ -66,14 +72,20 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
+def ring_stages(tile_m, tile_n):
+    """How many stages of tile_m + tile_n rows of TILE_K_BYTES the ring holds."""
+    return STAGE_BUDGET_BYTES // ((tile_m + tile_n) * TILE_K_BYTES)
+
+
 @cute.jit
 def tile_of_cta(
-    cluster_tile, rank, m, n, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+    cluster_tile, rank, m, n, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+    cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """(tile row, tile column) of the Hopper kernel's block of rank `rank` in its cluster, when
     the cluster computes cluster tile `cluster_tile`: cluster tiles (cluster_m tile rows, one
     tile column) run in the grouped order, and the blocks of a cluster take its rows in turn."""
-    cluster_row, tile_column = tile_of_block(cluster_tile, m, n, cluster_m * TILE_M, tile_n)
+    cluster_row, tile_column = tile_of_block(cluster_tile, m, n, cluster_m * tile_m, tile_n)
     return cluster_row * cluster_m + rank, tile_column
 
 
@@ -151,15 +163,15 @@ def make_ring(
 @cute.jit
 def produce(
     mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, rank, units, work,
-    tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr, stages: cutlass.Constexpr,
-    cluster_m: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr,
+    stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """The producer (one thread): for each k step of each of the block's work units (`units`,
     `work`: see run_roles), wait until the next buffer of the ring is empty, then TMA-copy the
     A tile and this block's part of the B tile into it, completing on its "full" barrier."""
-    # (TILE_M, tile_k, tile row, k step) and (tile_n, tile_k, tile column, k step) tiles of
+    # (tile_m, tile_k, tile row, k step) and (tile_n, tile_k, tile column, k step) tiles of
     # the TMA tensors, then TMA's view of them: one copy per operand per step.
-    a_tiles = cute.local_tile(A_tma, (TILE_M, tile_k), (None, None))
+    a_tiles = cute.local_tile(A_tma, (tile_m, tile_k), (None, None))
     b_tiles = cute.local_tile(B_tma, (tile_n, tile_k), (None, None))
     a_smem_part, a_gmem_part = cpasync.tma_partition(
         tma_a, 0, cute.make_layout(1),
@@ -176,12 +188,12 @@ def produce(
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     first_unit, end_unit, unit_step = units
     for unit in cutlass.range(first_unit, end_unit, unit_step, unroll=1):
-        tile_m, tile_n_index, first_k_step, k_steps = work(unit)
+        tile_m_index, tile_n_index, first_k_step, k_steps = work(unit)
         for k_step in cutlass.range(first_k_step, first_k_step + k_steps, unroll=1):
             mainloop.producer_acquire(state)  # the buffer is empty; expect its bytes
             full = mainloop.producer_get_barrier(state)
             cute.copy(
-                tma_a, a_gmem_part[(None, tile_m, k_step)],
+                tma_a, a_gmem_part[(None, tile_m_index, k_step)],
                 a_smem_part[(None, state.index)], tma_bar_ptr=full,
             )  # fmt: skip
             cute.copy(
@@ -198,11 +210,11 @@ def produce(
 @cute.jit
 def consume(
     mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
-    tile_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, stages: cutlass.Constexpr,
 ):  # fmt: skip
     """A consumer warpgroup: for each of the block's work units, multiply its 64 rows of the A
-    tile by the B tile, k step by k step as the ring fills, then hand the float32 accumulator
-    to `finish` (see run_roles)."""
+    tile by the B tile (of a 64-row tile, the A tile by its half of the B tile), k step by k
+    step as the ring fills, then hand the float32 accumulator to `finish` (see run_roles)."""
     consumer_thread = thread - WARPGROUP_THREADS
     # wgmma's A and B "fragments" are shared-memory descriptors, the same for the 128
     # threads of a warpgroup: partition with the warpgroup's first thread.
@@ -211,14 +223,14 @@ def consume(
     b_fragments = tiled_mma.make_fragment_B(warpgroup_mma.partition_B(b_ring))
     # The accumulator is per thread: the epilogue partitions its tile by this thread.
     thread_mma = tiled_mma.get_slice(consumer_thread)
-    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, tile_n)), cutlass.Float32)
+    acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((tile_m, tile_n)), cutlass.Float32)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
     read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     first_unit, end_unit, unit_step = units
     for unit in cutlass.range(first_unit, end_unit, unit_step, unroll=1):
-        tile_m, tile_n_index, _, k_steps = work(unit)
+        tile_m_index, tile_n_index, _, k_steps = work(unit)
         acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
         consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
         read_state.advance()
@@ -232,23 +244,24 @@ def consume(
         warpgroup.wait_group(0)
         mainloop.consumer_release(release_state)
         release_state.advance()
-        finish(thread_mma, acc, unit, tile_m, tile_n_index)
+        finish(thread_mma, acc, unit, tile_m_index, tile_n_index)
 
 
 @cute.jit
 def finish_tile(
-    thread_mma, acc, unit, tile_m, tile_n_index, C, m, n, alpha, beta,
-    tile_n: cutlass.Constexpr, read_c: cutlass.Constexpr, c_pairs: cutlass.Constexpr,
+    thread_mma, acc, unit, tile_m_index, tile_n_index, C, m, n, alpha, beta,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, read_c: cutlass.Constexpr,
+    c_pairs: cutlass.Constexpr,
 ):  # fmt: skip
-    """The epilogue of this step's work unit: tile (tile_m, tile_n_index) of C becomes alpha *
-    acc + beta * C, in column pairs on a whole tile of a paired C (c_pairs), else element by
-    element inside (m, n)."""
-    tile_shape, tile = (TILE_M, tile_n), (tile_m, tile_n_index)
+    """The epilogue of this step's work unit: tile (tile_m_index, tile_n_index) of C becomes
+    alpha * acc + beta * C, in column pairs on a whole tile of a paired C (c_pairs), else
+    element by element inside (m, n)."""
+    tile_shape, tile = (tile_m, tile_n), (tile_m_index, tile_n_index)
     c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
     coords = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, tile)
     coords_mine = thread_mma.partition_C(coords)
     if cutlass.const_expr(c_pairs):
-        inside = (tile_m + 1) * TILE_M <= m and (tile_n_index + 1) * tile_n <= n
+        inside = (tile_m_index + 1) * tile_m <= m and (tile_n_index + 1) * tile_n <= n
         if inside:
             finish_in_pairs(c_mine, acc, alpha, beta, read_c)
         else:
@@ -259,19 +272,20 @@ def finish_tile(
 
 @cute.jit
 def whole_tile(
-    cluster_tile, rank, m, n, k_steps, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr
+    cluster_tile, rank, m, n, k_steps, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+    cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """This step's work unit, cluster tile `cluster_tile`: the block's tile of it (tile_of_cta)
     and all of k, as (tile row, tile column, first k step, k steps)."""
-    tile_m, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_n, cluster_m)
-    return tile_m, tile_n_index, 0, k_steps
+    tile_m_index, tile_n_index = tile_of_cta(cluster_tile, rank, m, n, tile_m, tile_n, cluster_m)
+    return tile_m_index, tile_n_index, 0, k_steps
 
 
 @cute.jit
 def run_roles(
     tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank, units, work,
-    finish, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr,
-    stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+    finish, dtype: cutlass.Constexpr, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+    tile_k: cutlass.Constexpr, stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """The block's work: the ring, then warp specialisation over the work units `units` =
     (first, end, step) of `range`. work(unit) says what a unit multiplies, (tile row, tile
@@ -294,14 +308,14 @@ def run_roles(
         cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
         if warp == 0:
             produce(
-                mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, rank, units, work, tile_n,
-                tile_k, stages, cluster_m,
+                mainloop, tma_a, A_tma, tma_b, B_tma, a_ring, b_ring, rank, units, work, tile_m,
+                tile_n, tile_k, stages, cluster_m,
             )  # fmt: skip
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
         consume(
             mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
-            tile_n, stages,
+            tile_m, tile_n, stages,
         )  # fmt: skip
 
 
@@ -321,6 +335,7 @@ def hopper_kernel(
     a_smem_layout: cute.ComposedLayout,
     b_smem_layout: cute.ComposedLayout,
     dtype: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     tile_k: cutlass.Constexpr[int],
     stages: cutlass.Constexpr[int],
@@ -341,20 +356,22 @@ def hopper_kernel(
     # of the last cluster row computes a tile past m: zeros in, nothing stored). The tile index
     # is 32-bit (CuTe DSL 4.8.1 does not compile these loops over an Int64 index; TMA's
     # dimensions are below 2**31 anyway).
-    cluster_tile_m = cluster_m * TILE_M
+    cluster_tile_m = cluster_m * tile_m
     cluster_tiles = cutlass.Int32(
         ((m + cluster_tile_m - 1) // cluster_tile_m) * ((n + tile_n - 1) // tile_n)
     )
     work = functools.partial(
-        whole_tile, rank=rank, m=m, n=n, k_steps=k_steps, tile_n=tile_n, cluster_m=cluster_m
-    )
+        whole_tile, rank=rank, m=m, n=n, k_steps=k_steps, tile_m=tile_m, tile_n=tile_n,
+        cluster_m=cluster_m,
+    )  # fmt: skip
     finish = functools.partial(
-        finish_tile, C=C, m=m, n=n, alpha=alpha, beta=beta, tile_n=tile_n, read_c=read_c,
-        c_pairs=c_pairs,
+        finish_tile, C=C, m=m, n=n, alpha=alpha, beta=beta, tile_m=tile_m, tile_n=tile_n,
+        read_c=read_c, c_pairs=c_pairs,
     )  # fmt: skip
     run_roles(
         tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank,
-        (cluster, cluster_tiles, clusters), work, finish, dtype, tile_n, tile_k, stages, cluster_m,
+        (cluster, cluster_tiles, clusters), work, finish, dtype, tile_m, tile_n, tile_k, stages,
+        cluster_m,
     )  # fmt: skip
 
 
@@ -382,14 +399,18 @@ class MmaTF32Op(MmaOp):
         )
 
 
-def make_tiled_mma(dtype, a_major, b_major, tile_n):
-    """Two warpgroups side by side along m, each issuing 64 x tile_n wgmmas."""
+def make_tiled_mma(dtype, a_major, b_major, tile_m, tile_n):
+    """The two consumer warpgroups on a tile_m x tile_n tile: side by side along m, each
+    issuing 64 x tile_n wgmmas, when tile_m = TILE_M; along n, each issuing 64 x (tile_n / 2)
+    wgmmas on the same 64 rows of A, when tile_m = WGMMA_M."""
+    along_m = tile_m == TILE_M
+    warpgroups = (CONSUMER_WARPGROUPS, 1, 1) if along_m else (1, CONSUMER_WARPGROUPS, 1)
+    wgmma_n = tile_n if along_m else tile_n // CONSUMER_WARPGROUPS
     if cutlass.const_expr(dtype == cutlass.Float32):
-        atom = cute.make_mma_atom(MmaTF32Op(tile_n))
-        return cute.make_tiled_mma(atom, (CONSUMER_WARPGROUPS, 1, 1))
+        return cute.make_tiled_mma(cute.make_mma_atom(MmaTF32Op(wgmma_n)), warpgroups)
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-        cutlass.Float32, (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, tile_n),
+        cutlass.Float32, warpgroups, tiler_mn=(WGMMA_M, wgmma_n),
     )  # fmt: skip
 
 
@@ -404,12 +425,12 @@ HopperOperands = collections.namedtuple(
 @cute.jit
 def hopper_operands(
     A, B, a_k_major: cutlass.Constexpr, b_k_major: cutlass.Constexpr,
-    tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """The Hopper kernel's view of A and B (HopperOperands), built on the host."""
     dtype = A.element_type
     tile_k = TILE_K_BYTES * 8 // dtype.width
-    stages = STAGE_BUDGET_BYTES // ((TILE_M + tile_n) * TILE_K_BYTES)
+    stages = ring_stages(tile_m, tile_n)
     # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
     # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
     m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
@@ -418,13 +439,13 @@ def hopper_operands(
     B = cute.make_tensor(B.iterator, cute.make_layout((n, k), stride=B.stride[::-1]))
     a_major = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
     b_major = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
-    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_n)
-    tile_mnk = (TILE_M, tile_n, tile_k)
+    tiled_mma = make_tiled_mma(dtype, a_major, b_major, tile_m, tile_n)
+    tile_mnk = (tile_m, tile_n, tile_k)
     a_smem_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, dtype, stages)
     b_smem_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, dtype, stages)
     load = cpasync.CopyBulkTensorTileG2SOp()
     tma_a, A_tma = cpasync.make_tiled_tma_atom(
-        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (TILE_M, tile_k)
+        load, A, cute.slice_(a_smem_layout, (None, None, 0)), (tile_m, tile_k)
     )
     # In a cluster, each block's TMA loads 1 / cluster_m of the B tile and multicasts it.
     load_b = cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_m > 1 else load
@@ -448,6 +469,7 @@ def launch_hopper(
     stream: cuda.CUstream,
     a_k_major: cutlass.Constexpr[bool],
     b_k_major: cutlass.Constexpr[bool],
+    tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
     c_pairs: cutlass.Constexpr[bool],
@@ -457,13 +479,13 @@ def launch_hopper(
     # A and B with their stride-1 dimension known, bases and other strides on 16-byte
     # boundaries (`tma_major`), which TMA needs; C with column stride 1 and an even row stride
     # in the paired build (`in_pairs`), any strides otherwise.
-    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_n, cluster_m)
+    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_m, tile_n, cluster_m)
     C = cute.make_tensor(C.iterator, cute.make_layout((ops.m, ops.n), stride=C.stride))
     hopper_kernel(
         ops.tma_a, ops.A_tma, ops.tma_b, ops.B_tma, C, cutlass.Int64(ops.m),
         cutlass.Int64(ops.n), cutlass.Int64(ops.k), alpha, beta, ops.tiled_mma,
-        ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_n, ops.tile_k, ops.stages,
-        read_c, c_pairs, cluster_m,
+        ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_m, tile_n, ops.tile_k,
+        ops.stages, read_c, c_pairs, cluster_m,
     ).launch(
         grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
         cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
@@ -474,6 +496,11 @@ def launch_hopper(
 def sm_count(device):
     """The number of SMs of CUDA device `device` (its index; 132 on the H200), asked once."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hopper_tile_m(m):
+    """WGMMA_M rows a tile when C has no more (a decode step), else TILE_M."""
+    return WGMMA_M if m <= WGMMA_M else TILE_M
 
 
 def hopper_tile_n(m, n):
@@ -516,7 +543,9 @@ def choose_kernel(A, B, allow_tf32):
     return ("hopper", a_k_major, b_k_major)
 
 
-def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m, options=""):
+def build_hopper(
+    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, options=""
+):  # fmt: skip
     """cute.compile the Hopper launcher for TVM-FFI calls (as build_plain). A and B get the
     stride 1 along their contiguous dimension (k if K-major) and 16-byte aligned bases and
     other strides, which TMA needs; C the pairs' layout if c_pairs."""
@@ -527,25 +556,28 @@ def build_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m
     C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
     return cute.compile(
         launch_hopper, A, B, C, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_n,
-        read_c, c_pairs, cluster_m, options=f"--enable-tvm-ffi {options}",
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_m,
+        tile_n, read_c, c_pairs, cluster_m, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_hopper(dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m):
-    """The Hopper kernel for `dtype`, operand majorness, epilogue and cluster size, built once
-    and cached (the TVM-FFI function, as compile_plain)."""
+def compile_hopper(dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m):
+    """The Hopper kernel for `dtype`, operand majorness, tile, epilogue and cluster size, built
+    once and cached (the TVM-FFI function, as compile_plain)."""
     return build_hopper(
-        dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m
+        dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m
     ).__tvm_ffi_object__()
 
 
 def ptx_of(
-    dtype, a_k_major=True, b_k_major=True, tile_n=256, read_c=True, c_pairs=False, cluster_m=2
+    dtype, a_k_major=True, b_k_major=True, tile_n=256, read_c=True, c_pairs=False, cluster_m=2,
+    tile_m=TILE_M,
 ):  # fmt: skip
     """The sm_90a PTX of the Hopper kernel's build for these compile-time choices."""
-    return sm90a_ptx(build_hopper, dtype, a_k_major, b_k_major, tile_n, read_c, c_pairs, cluster_m)
+    return sm90a_ptx(
+        build_hopper, dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m
+    )
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
@@ -568,12 +600,14 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
         return C
     _, a_k_major, b_k_major = choice
-    tile_n = hopper_tile_n(m, n)
-    cluster_m = cluster_m if m > TILE_M else 1
-    kernel = compile_hopper(A.dtype, a_k_major, b_k_major, tile_n, read_c, in_pairs(C), cluster_m)
+    tile_m, tile_n = hopper_tile_m(m), hopper_tile_n(m, n)
+    cluster_m = cluster_m if m > tile_m else 1
+    kernel = compile_hopper(
+        A.dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, in_pairs(C), cluster_m
+    )
     # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters. TVM-FFI
     # launches on torch's current stream of C's GPU, as step 1's run_plain.
-    cluster_tiles = ceil_div(m, cluster_m * TILE_M) * ceil_div(n, tile_n)
+    cluster_tiles = ceil_div(m, cluster_m * tile_m) * ceil_div(n, tile_n)
     blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
     kernel(A, B, C, alpha32, beta32, blocks)
     return C

@@ -10,8 +10,9 @@ Here a work unit is a tile AND a slice of k: unit (tile, s) multiplies k steps
 workspace from torch's allocator; a second kernel on the same stream (`sum_partials`) adds the
 S partials of each element in the fixed order s = 0, 1, ..., S - 1 and finishes it as every
 step does, alpha * sum + beta * c rounded once. No atomics and no order that depends on which
-block finishes first: the same bits on every run. A 128-row tile at m <= 64 wastes half its
-wgmma rows (m = 1: all but one), which costs nothing while W's bytes bound the time.
+block finishes first: the same bits on every run. At m <= 64 a unit's tile has 64 rows
+(step 2's `hopper_tile_m`), split along n between the two consumer warpgroups: no A row of
+the ring is padding, so the ring holds more stages of W (README.md, "Step 3").
 
 Rounding: a term of slice s meets at most k_s additions there (k_s of the slice's k values,
 step 2's serial count) and at most S - 1 in the sum of the partials. Every slice holds at least
@@ -41,12 +42,15 @@ from cute_2_tma_wgmma import (
     choose_kernel,
     finish_tile,
     hopper_operands,
+    hopper_tile_m,
+    ring_stages,
     run_roles,
     sm_count,
 )
 
-# A slice of k is at least the ring's depth (6 stages of 128 x 128 tiles, 4 of 128 x 256), so
-# that a unit streams W at full rate for longer than it takes to fill the ring.
+# A slice of k is at least about the ring's depth (6 stages of 128 x 128 tiles, 4 of 128 x 256,
+# 9 of 64 x 128, 5 of 64 x 256), so that a unit streams W at full rate for longer than it takes
+# to fill the ring.
 MIN_SPLIT_STEPS = 8
 # A partial costs 8 bytes an element: written by its unit, read back by sum_partials, both
 # spread over the whole chip. The second kernel's start and tail cost about SPLIT_START_BYTES
@@ -54,6 +58,12 @@ MIN_SPLIT_STEPS = 8
 # 4096, any split took 9-11 us more than none).
 PARTIAL_BYTES = 8
 SPLIT_START_BYTES = 128 * 1024
+# Little's law: an SM streams W at its share of HBM (4.24 TB/s over 132 SMs, 32 GB/s) only while
+# about IN_FLIGHT_BYTES of it are in flight, 32 GB/s times ~2.8 us of loaded latency (fitted to
+# the H200's unsplit 128 x 11008 x 4096 with 96 KiB of ring, 35.1 us, and Triton's 64 x 11008 x
+# 4096 with 128 KiB, 31.2; README.md's tuning log). A shallower ring streams more slowly; a
+# deeper one lets fewer SMs than all take HBM's whole rate.
+IN_FLIGHT_BYTES = 90 * 1024
 # Workspace rows start on 16-byte boundaries (4 float32): pairs of columns store as one access.
 PARTIAL_ROW_ALIGN = 4
 SUM_THREADS = 256  # sum_partials: a block sums 256 adjacent columns of one row
@@ -62,28 +72,33 @@ SUM_THREADS = 256  # sum_partials: a block sums 256 adjacent columns of one row
 @functools.lru_cache(maxsize=4096)
 def split_plan(m, n, k, itemsize):
     """(tile_n, S) for split k, or None to run step 2: None when C already has a 128 x 128 tile
-    per SM. Otherwise the choice whose busiest SM moves the fewest bytes: its waves of units,
-    each a slice's B tiles (TILE_K_BYTES a column a k step), plus, when k is split, its share
-    of the partials' traffic (S m n PARTIAL_BYTES over SM_COUNT SMs) and SPLIT_START_BYTES;
-    over tile_n in (128, 256) and S from 1 to the most slices of MIN_SPLIT_STEPS or more; ties
-    go to fewer slices, then fewer units. Every slice gets at least one k step; S = 1 means
-    step 2."""
-    tiles_m = ceil_div(m, TILE_M)
+    per SM. Otherwise the choice whose busiest SM takes the least time, counted in bytes moved
+    at its share of HBM: its waves of units, each a slice's B tiles (TILE_K_BYTES a column a k
+    step), slowed by a ring of fewer than IN_FLIGHT_BYTES of B (and sped up, while fewer SMs
+    than all are busy, to at most HBM's whole rate), plus, when k is split, its share of the
+    partials' traffic (S m n PARTIAL_BYTES over SM_COUNT SMs) and SPLIT_START_BYTES; over
+    tile_n in (128, 256) and S from 1 to the most slices of MIN_SPLIT_STEPS or more; ties go
+    to fewer slices, then fewer units. Every slice gets at least one k step; S = 1 means step
+    2. The tiles are hopper_tile_m(m) rows high (one tile row for m <= 128)."""
+    tile_m = hopper_tile_m(m)
+    tiles_m = ceil_div(m, tile_m)
     if tiles_m * ceil_div(n, 128) >= SM_COUNT:
         return None
     k_steps = ceil_div(k * itemsize, TILE_K_BYTES)
     best = None
     for tile_n in (128, 256):
         tiles = tiles_m * ceil_div(n, tile_n)
+        ring_bytes = ring_stages(tile_m, tile_n) * tile_n * TILE_K_BYTES
         for splits in range(1, min(k_steps // MIN_SPLIT_STEPS, SM_COUNT) + 1):
             steps = ceil_div(k_steps, splits)
             if ceil_div(k_steps, steps) < splits:
                 continue  # the last slice would be empty: fewer slices do the same
-            waves = ceil_div(tiles * splits, SM_COUNT)
-            busiest = waves * tile_n * steps * TILE_K_BYTES
+            units = tiles * splits
+            pace = max(IN_FLIGHT_BYTES / ring_bytes, min(units, SM_COUNT) / SM_COUNT)
+            busiest = ceil_div(units, SM_COUNT) * tile_n * steps * TILE_K_BYTES * pace
             if splits > 1:
                 busiest += splits * m * n * PARTIAL_BYTES // SM_COUNT + SPLIT_START_BYTES
-            candidate = (busiest, splits, tiles * splits, tile_n)
+            candidate = (busiest, splits, units, tile_n)
             best = candidate if best is None else min(best, candidate)
     if best is None or best[1] == 1:
         return None
@@ -91,24 +106,28 @@ def split_plan(m, n, k, itemsize):
 
 
 @cute.jit
-def split_unit(unit, tiles, m, n, k_steps, steps_per_split, tile_n: cutlass.Constexpr):
+def split_unit(
+    unit, tiles, m, n, k_steps, steps_per_split, tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+):  # fmt: skip
     """Work unit `unit`: tile `unit mod tiles` of C (the grouped order) over slice `unit div
     tiles` of k, as (tile row, tile column, first k step, k steps)."""
-    tile_m, tile_n_index = tile_of_block(unit % tiles, m, n, TILE_M, tile_n)
+    tile_m_index, tile_n_index = tile_of_block(unit % tiles, m, n, tile_m, tile_n)
     first_k_step = (unit // tiles) * steps_per_split
-    return tile_m, tile_n_index, first_k_step, cutlass.min(steps_per_split, k_steps - first_k_step)
+    steps = cutlass.min(steps_per_split, k_steps - first_k_step)
+    return tile_m_index, tile_n_index, first_k_step, steps
 
 
 @cute.jit
 def store_partial(
-    thread_mma, acc, unit, tile_m, tile_n_index, partials, tiles, m, n,
-    tile_n: cutlass.Constexpr,
+    thread_mma, acc, unit, tile_m_index, tile_n_index, partials, tiles, m, n,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
 ):  # fmt: skip
     """A unit's epilogue: its float32 sum, unrounded, into its tile of partials[slice]: step
     2's finish_tile with alpha = 1 (1 * s is exact) and C not read."""
     finish_tile(
-        thread_mma, acc, unit, tile_m, tile_n_index, partials[unit // tiles, None, None], m, n,
-        cutlass.Float32(1.0), cutlass.Float32(0.0), tile_n, False, True,
+        thread_mma, acc, unit, tile_m_index, tile_n_index, partials[unit // tiles, None, None],
+        m, n, cutlass.Float32(1.0), cutlass.Float32(0.0), tile_m, tile_n, False, True,
     )  # fmt: skip
 
 
@@ -126,6 +145,7 @@ def split_k_kernel(
     a_smem_layout: cute.ComposedLayout,
     b_smem_layout: cute.ComposedLayout,
     dtype: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     tile_k: cutlass.Constexpr[int],
     stages: cutlass.Constexpr[int],
@@ -135,19 +155,19 @@ def split_k_kernel(
     splits = cutlass.Int32(cute.size(partials, mode=[0]))
     k_steps = (k + tile_k - 1) // tile_k
     steps_per_split = (k_steps + splits - 1) // splits
-    tiles = ((m + TILE_M - 1) // TILE_M) * ((n + tile_n - 1) // tile_n)
+    tiles = ((m + tile_m - 1) // tile_m) * ((n + tile_n - 1) // tile_n)
     work = functools.partial(
         split_unit, tiles=tiles, m=m, n=n, k_steps=k_steps, steps_per_split=steps_per_split,
-        tile_n=tile_n,
+        tile_m=tile_m, tile_n=tile_n,
     )  # fmt: skip
     finish = functools.partial(
-        store_partial, partials=partials, tiles=tiles, m=m, n=n, tile_n=tile_n
+        store_partial, partials=partials, tiles=tiles, m=m, n=n, tile_m=tile_m, tile_n=tile_n
     )
     # Persistent as in step 2: block b runs units b, b + blocks, ... In clusters of 1: each
-    # element of W is read once whatever the clusters, and m <= TILE_M has no partner row.
+    # element of W is read once whatever the clusters, and one tile row has no partner row.
     run_roles(
         tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, 0,
-        (block, tiles * splits, blocks), work, finish, dtype, tile_n, tile_k, stages, 1,
+        (block, tiles * splits, blocks), work, finish, dtype, tile_m, tile_n, tile_k, stages, 1,
     )  # fmt: skip
 
 
@@ -185,16 +205,17 @@ def launch_split_k(
     stream: cuda.CUstream,
     a_k_major: cutlass.Constexpr[bool],
     b_k_major: cutlass.Constexpr[bool],
+    tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
 ):
     # A and B as step 2's Hopper build has them; C any strides; partials (S, m, n) float32
     # with rows and slices an even number of elements apart (`build_split_k`).
-    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_n, 1)
+    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_m, tile_n, 1)
     split_k_kernel(
         ops.tma_a, ops.A_tma, ops.tma_b, ops.B_tma, partials, ops.m, ops.n, ops.k,
-        ops.tiled_mma, ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_n, ops.tile_k,
-        ops.stages,
+        ops.tiled_mma, ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_m, tile_n,
+        ops.tile_k, ops.stages,
     ).launch(grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream)  # fmt: skip
     # The same stream: it starts when every partial has been stored.
     sum_partials(partials, C, alpha, beta, read_c).launch(
@@ -216,7 +237,7 @@ def choose_split(A, B, allow_tf32):
     return (*choice[1:], *plan) if choice[0] == "hopper" else None
 
 
-def build_split_k(dtype, a_k_major, b_k_major, tile_n, read_c, options=""):
+def build_split_k(dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, options=""):
     """cute.compile the split-k launcher for TVM-FFI calls (as step 2's build_hopper): A and
     B with step 2's TMA layouts, C any strides, partials (S, m, n) sharing m and n with them."""
     m, n, k = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
@@ -229,20 +250,20 @@ def build_split_k(dtype, a_k_major, b_k_major, tile_n, read_c, options=""):
     )
     return cute.compile(
         launch_split_k, A, B, placeholder(dtype, m, n), partials, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_n,
-        read_c, options=f"--enable-tvm-ffi {options}",
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_m,
+        tile_n, read_c, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_split_k(dtype, a_k_major, b_k_major, tile_n, read_c):
+def compile_split_k(dtype, a_k_major, b_k_major, tile_m, tile_n, read_c):
     """The split-k build, compiled once and cached (the TVM-FFI function, as compile_hopper)."""
-    return build_split_k(dtype, a_k_major, b_k_major, tile_n, read_c).__tvm_ffi_object__()
+    return build_split_k(dtype, a_k_major, b_k_major, tile_m, tile_n, read_c).__tvm_ffi_object__()
 
 
-def ptx_of(dtype, a_k_major=True, b_k_major=True, tile_n=128, read_c=True):
+def ptx_of(dtype, a_k_major=True, b_k_major=True, tile_n=128, read_c=True, tile_m=TILE_M):
     """The sm_90a PTX of the split-k build (both kernels) for these compile-time choices."""
-    return sm90a_ptx(build_split_k, dtype, a_k_major, b_k_major, tile_n, read_c)
+    return sm90a_ptx(build_split_k, dtype, a_k_major, b_k_major, tile_m, tile_n, read_c)
 
 
 def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m):
@@ -253,11 +274,12 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
         return step2.run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
     a_k_major, b_k_major, tile_n, splits = plan
     (m, _), n = A.shape, B.shape[1]
+    tile_m = hopper_tile_m(m)
     # From torch's caching allocator, on C's stream: safe to capture in a CUDA graph.
     row = ceil_div(n, PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
     partials = torch.empty((splits, m, row), dtype=torch.float32, device=C.device)[:, :, :n]
-    units = ceil_div(m, TILE_M) * ceil_div(n, tile_n) * splits
-    kernel = compile_split_k(A.dtype, a_k_major, b_k_major, tile_n, read_c)
+    units = ceil_div(m, tile_m) * ceil_div(n, tile_n) * splits
+    kernel = compile_split_k(A.dtype, a_k_major, b_k_major, tile_m, tile_n, read_c)
     kernel(A, B, C, partials, alpha32, beta32, min(units, sm_count(C.get_device())))
     return C
 

@@ -1473,18 +1473,20 @@ DECODE_NK = [(4096, 4096), (11008, 4096), (4096, 11008)]
 
 @needs_cute
 def test_cute_split_plan():
-    """split_plan, the host's rule: the decode shapes split k into 3 or 4 slices of 16 to 43
-    k steps, 128 or 129 units for 132 SMs, except 128 x 11008 x 4096, whose partials' traffic
-    outweighs what splitting its 86 tiles would gain; a C with a 128 x 128 tile per SM, or a k
-    too short for two slices, runs step 2 (None). Over many shapes, every slice holds at least
-    one k step, so a term meets k_s + S - 1 <= k additions (the count `roundings` keeps)."""
+    """split_plan, the host's rule: the decode shapes at n = 4096 split k into 4 slices of 16
+    or 43 k steps, 128 units for 132 SMs, or at m = 64, where the partials cost more, 3 (96
+    units); n = 11008 (86 tiles) is not split: 86 SMs streaming W from deep rings take HBM's
+    whole rate, and the partials' traffic would cost more than a split gains; a C with a 128 x
+    128 tile per SM, or a k too short for two slices, runs step 2 (None). Over many shapes,
+    every slice holds at least one k step, so a term meets k_s + S - 1 <= k additions (the
+    count `roundings` keeps)."""
     plan = cute_step3.split_plan
-    for m in (1, 16, 64, 128):
+    for m in (1, 16, 128):
         assert plan(m, 4096, 4096, 2) == (128, 4)  # 32 tiles x 4 slices of 16 k steps
         assert plan(m, 4096, 11008, 2) == (128, 4)  # 32 tiles x 4 slices of 43
-    for m in (1, 16, 64):
-        assert plan(m, 11008, 4096, 2) == (256, 3)  # 43 tiles x 3 slices of 22, 21, 21
-    assert plan(128, 11008, 4096, 2) is None  # 86 tiles: 128 rows of partials cost more
+    assert plan(64, 4096, 4096, 2) == plan(64, 4096, 11008, 2) == (128, 3)
+    for m in (1, 16, 64, 128):
+        assert plan(m, 11008, 4096, 2) is None  # 86 tiles, one wave, 64 x 128 or 128 x 128
     assert plan(4096, 4096, 4096, 2) is None  # 1024 tiles
     assert plan(129, 16384, 4096, 2) is None  # 2 x 128 = 256 tiles
     assert plan(64, 4096, 960, 2) is None  # 15 k steps: no two slices of 8
@@ -1514,7 +1516,7 @@ def test_cute_split_dispatch():
     x = padded_matrix(16, 4096, torch.bfloat16, False, "cpu")
     assert cute_step3.choose_split(x[:, 1:], W.T[1:], False) is None  # off the 16-byte grid
     assert cute_step3.choose_split(x.float(), W.T.float(), False) is None  # IEEE: step 1
-    assert cute_step3.choose_split(x.float(), W.T.float(), True) == (True, True, 128, 4)  # TF32
+    assert cute_step3.choose_split(x.float(), W.T.float(), True) == (True, True, 128, 3)  # TF32
     assert cute_step3.choose_split(x[:, :512], W.T[:512], False) is None  # 8 k steps
 
 
@@ -1790,7 +1792,7 @@ def test_cute_split_k_edges(monkeypatch, layout, dtype, case):
 @pytest.mark.parametrize("nk", DECODE_NK, ids=str)
 def test_cute_split_k_decode(m, nk):
     """The decode shapes themselves, NT (x times W^T) in bfloat16, on split_plan's own choice
-    (every shape split but 128 x 11008 x 4096, which step 2 runs whole), against the float64
+    (every shape split but n = 11008 x 4096, which step 2 runs whole), against the float64
     stand-in; two calls give the same bits, and so does a run with 3 blocks, which hands the
     units to blocks in another order: each element's sum depends on the plan only."""
     implementation("cute")  # skips without a GPU
@@ -1799,7 +1801,7 @@ def test_cute_split_k_decode(m, nk):
     B = random_matrix(k, n, torch.bfloat16, transposed=True)
     C = random_matrix(m, n, torch.bfloat16)
     unsplit = cute_step3.choose_split(A, B, False) is None
-    assert unsplit == (m == 128 and n == 11008)
+    assert unsplit == (n == 11008)
     exact = float64_gemm(ALPHA, A, B, BETA, C)
     bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
     first, second, few_blocks = C.clone(), C.clone(), C.clone()
@@ -1833,6 +1835,119 @@ def test_cute_split_k_in_a_cuda_graph():
     cute_impl.gemm(ALPHA, A, B, BETA, eager)
     torch.cuda.synchronize()
     assert_same_bits(C, eager, "replayed against eager")
+
+
+# The 64-row tile of decode steps (m <= 64): its two consumer warpgroups split it along n.
+# Rows of C around the tile height, and a C that step 3 splits or leaves to step 2 (15 k steps).
+DECODE_TILE_ROWS = [1, 17, 63, 64, 65]
+WGMMA_SHAPE = r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)"  # the shapes a PTX issues
+
+
+@needs_cute
+@pytest.mark.parametrize("step", [2, 3])
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_cute_decode_tile_ptx(step, tile_n):
+    """A 64-row tile issues m64 n(tile_n / 2) k16 wgmmas, one half of the B tile each
+    warpgroup, where the 128-row tile issues m64 n(tile_n) k16; with no A row of padding its
+    ring holds more stages, 2 mbarriers each (ring_stages: 9 or 5, against 6 or 4)."""
+    ptx_of = (cute_step2, cute_step3)[step - 2].ptx_of
+    for tile_m, wgmma_n in ((64, tile_n // 2), (128, tile_n)):
+        ptx = ptx_of(torch.bfloat16, tile_n=tile_n, tile_m=tile_m)
+        assert set(re.findall(WGMMA_SHAPE, ptx)) == {f"m64n{wgmma_n}k16"}, (tile_m, tile_n)
+        assert ptx.count("mbarrier.init") == 2 * cute_step2.ring_stages(tile_m, tile_n)
+    assert cute_step2.ring_stages(64, 128) == 9 and cute_step2.ring_stages(128, 128) == 6
+
+
+@needs_cute
+def test_cute_decode_tile_tf32_ptx():
+    """float32 with TF32 on a 64 x 128 tile: m64n64k8 wgmmas, half the tile's width each."""
+    ptx = cute_step3.ptx_of(torch.float32, tile_n=128, tile_m=64)
+    assert set(re.findall(WGMMA_SHAPE, ptx)) == {"m64n64k8"}
+
+
+@needs_cute
+@pytest.mark.parametrize("m", [*DECODE_TILE_ROWS, 128])
+def test_cute_decode_tile_rule(monkeypatch, m):
+    """The builds a call asks for, read on CPU tensors with the compiled functions replaced by
+    recorders: a C of at most 64 rows gets 64-row tiles (hopper_tile_m), split by step 3 (k =
+    4096: 32 tiles times split_plan's slices, a block each) or run whole by step 2 (k = 960,
+    clusters of 1); more rows get 128-row tiles."""
+    builds = []
+
+    def recorder(step):
+        def compile_(*key):
+            return lambda *args: builds.append((step, key, args[-1]))
+
+        return compile_
+
+    monkeypatch.setattr(cute_step2, "compile_hopper", recorder(2))
+    monkeypatch.setattr(cute_step3, "compile_split_k", recorder(3))
+    monkeypatch.setattr(cute_step2, "sm_count", lambda device: 132)
+    monkeypatch.setattr(cute_step3, "sm_count", lambda device: 132)
+    tile_m = 64 if m <= 64 else 128
+    assert cute_step2.hopper_tile_m(m) == tile_m
+    for k, step in ((4096, 3), (960, 2)):
+        A = padded_matrix(m, k, torch.bfloat16, False, "cpu")
+        B = padded_matrix(k, 4096, torch.bfloat16, True, "cpu")
+        C = torch.empty(m, 4096, dtype=torch.bfloat16)
+        cute_step3.run_checked(A, B, C, 1.0, 1.0, True, True, False, 2)
+        built_step, key, blocks = builds.pop()
+        assert built_step == step and key[3] == tile_m and key[4] == 128, key
+        if step == 3:
+            assert blocks == 32 * cute_step3.split_plan(m, 4096, k, 2)[1]
+        else:
+            assert key[-1] == 1 and blocks == 32  # one tile row: no partner block
+
+
+def aligned_guarded(values, transposed):
+    """A view of `values` inside a NaN-filled buffer, MARGIN lines and at least 8 elements on
+    each side of it (16 bytes of bfloat16): TMA can still load it (16-byte base and line
+    stride), and a read past its edges brings NaN into C (transposed: the same, column-major)."""
+    if transposed:
+        view, buffer = aligned_guarded(values.T, False)
+        return view.T, buffer
+    rows, cols = values.shape
+    line = -(-cols // 8) * 8 + 16
+    buffer = torch.full(
+        (rows + 2 * MARGIN, line), float("nan"), device=DEVICE, dtype=values.dtype
+    )  # fmt: skip
+    view = buffer[MARGIN : MARGIN + rows, 8 : 8 + cols]
+    view.copy_(values)
+    return view, buffer
+
+
+# NT (x W^T, the model's) at each decode shape and one that step 2 runs whole (1000 x 520: 9 k
+# steps, n one past a tile edge); the other operand majors at one decode shape.
+DECODE_TILE_CASES = [
+    *(("NT", nk) for nk in [*DECODE_NK, (1000, 520)]), ("NN", DECODE_NK[0]), ("TT", DECODE_NK[0]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m", DECODE_TILE_ROWS)
+@pytest.mark.parametrize("case", DECODE_TILE_CASES, ids=str)
+def test_cute_decode_tile_in_guard(m, case):
+    """The 64-row tile (m <= 64) and the 128-row one (m = 65), split by step 3 or run whole
+    by step 2, bfloat16, against the float64 stand-in: A, B and C lie inside NaN, so a read
+    past A's or B's edges shows in C, and nothing around C may change. A second call gives
+    the same bits."""
+    implementation("cute")  # skips without a GPU
+    layout, (n, k) = case
+    A, _ = aligned_guarded(random_matrix(m, k, torch.bfloat16), layout[0] == "T")
+    B, _ = aligned_guarded(random_matrix(k, n, torch.bfloat16), layout[1] == "T")
+    C, C_buffer = aligned_guarded(random_matrix(m, n, torch.bfloat16), False)
+    assert cute_step2.choose_kernel(A, B, False)[0] == "hopper"
+    assert cute_step2.in_pairs(C)  # whole tiles take the paired epilogue
+    exact = float64_gemm(ALPHA, A, B, BETA, C)
+    bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
+    start = C.clone()
+    cute_impl.gemm(ALPHA, A, B, BETA, C)
+    assert_within_bound(C, exact, bound, f"decode tile {m} x {n} x {k} {layout}")
+    inside = torch.zeros_like(C_buffer, dtype=torch.bool)
+    inside.as_strided(C.shape, C.stride(), C.storage_offset()).fill_(True)
+    assert C_buffer[~inside].isnan().all(), "an element outside C was written"
+    again = start.clone()
+    cute_impl.gemm(ALPHA, A, B, BETA, again)
+    assert_same_bits(again, C, "a second call")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="large problems need a GPU (Python is too slow)")
