@@ -1,17 +1,19 @@
-"""layernorm forward and backward in the CuTe DSL: one block per row, two passes over the row.
+"""layernorm forward and backward in the CuTe DSL: rows on a warp, several warps or a block.
 
     y = (x - mean) rstd w + b            dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = w dy
     dw = sum over rows of dy xhat        db = sum over rows of dy
 
-The map (README.md, "CuTe", draws it): a block of 256 threads owns a row and walks it in tiles
-of 256 * VECTORS_PER_THREAD 16-byte vectors; thread t holds the same V elements of every tile
+The map (README.md, "CuTe", draws it): P threads own a row and walk it in tiles of
+P * VECTORS_PER_THREAD 16-byte vectors; thread t holds the same V elements of every tile
 (V = VECTORS_PER_THREAD * 16 bytes / element size), loaded with 128-bit copies. The weight,
 the bias and the float32 partial rows go through the same map in their own dtypes.
 
-forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sums x - K and
-         (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
-         q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
-         (the last tile is still in registers, the others likely in L2): y = xhat w + b.
+forward  `forward_map`: P the fewest threads (32 to 256) holding the row in registers; rows
+         held (N <= 8192, `forward_row_in_registers`): x read once, K = the row's mean, the
+         sums of x - K and (x - K)**2 reduced together (`row_sums`: one barrier for both),
+         mean = K + m1, var = q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32),
+         y = xhat w + b (`normalise_tile`). Longer rows (`forward_row_streamed`, a block
+         each): K = the mean of tile 0, pass 1 the shifted sums, pass 2 y, last tile first.
 backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_MAX values a
          thread (`layernorm_backward_rows_kernel`): the row's x and dy read once into
          registers, g and g xhat summed (`block_sum`), dx written, dy xhat and dy added into
@@ -21,9 +23,8 @@ backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_M
          column, eight slices of the groups in order, then the slices in order.
 
 Every sum is a fixed tree, so the same inputs give the same bits; `statistics_path` and
-`backward_path` export what README.md's bound counts. Rows in registers in the forward,
-several rows per block, and rows of N >= 32768 spread over a thread-block cluster are not
-done yet (README.md, open questions).
+`backward_path` export what README.md's bound counts. Rows of N >= 32768 spread over a
+thread-block cluster are not done yet (README.md, open questions).
 """
 
 import functools
