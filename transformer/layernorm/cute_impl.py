@@ -1,17 +1,19 @@
-"""layernorm forward and backward in the CuTe DSL: one block per row, two passes over the row.
+"""layernorm forward and backward in the CuTe DSL: rows on a warp, several warps or a block.
 
     y = (x - mean) rstd w + b            dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = w dy
     dw = sum over rows of dy xhat        db = sum over rows of dy
 
-The map (README.md, "CuTe", draws it): a block of 256 threads owns a row and walks it in tiles
-of 256 * VECTORS_PER_THREAD 16-byte vectors; thread t holds the same V elements of every tile
+The map (README.md, "CuTe", draws it): P threads own a row and walk it in tiles of
+P * VECTORS_PER_THREAD 16-byte vectors; thread t holds the same V elements of every tile
 (V = VECTORS_PER_THREAD * 16 bytes / element size), loaded with 128-bit copies. The weight,
 the bias and the float32 partial rows go through the same map in their own dtypes.
 
-forward  the shift K = the mean of tile 0 (`block_sum`); pass 1: each thread sums x - K and
-         (x - K)**2 over its elements, `block_sum` gives m1 and q, then mean = K + m1, var =
-         q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32). Pass 2, last tile first
-         (the last tile is still in registers, the others likely in L2): y = xhat w + b.
+forward  `forward_map`: P the fewest threads (32 to 256) holding the row in registers; rows
+         held (N <= 8192, `forward_row_in_registers`): x read once, K = the row's mean, the
+         sums of x - K and (x - K)**2 reduced together (`row_sums`: one barrier for both),
+         mean = K + m1, var = q - m1**2, rstd = rsqrt(var + eps) (rsqrt.approx.ftz.f32),
+         y = xhat w + b (`normalise_tile`). Longer rows (`forward_row_streamed`, a block
+         each): K = the mean of tile 0, pass 1 the shifted sums, pass 2 y, last tile first.
 backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_MAX values a
          thread (`layernorm_backward_rows_kernel`): the row's x and dy read once into
          registers, g and g xhat summed (`block_sum`), dx written, dy xhat and dy added into
@@ -21,9 +23,8 @@ backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_M
          column, eight slices of the groups in order, then the slices in order.
 
 Every sum is a fixed tree, so the same inputs give the same bits; `statistics_path` and
-`backward_path` export what README.md's bound counts. Rows in registers in the forward,
-several rows per block, and rows of N >= 32768 spread over a thread-block cluster are not
-done yet (README.md, open questions).
+`backward_path` export what README.md's bound counts. Rows of N >= 32768 spread over a
+thread-block cluster are not done yet (README.md, open questions).
 """
 
 import functools
@@ -81,15 +82,40 @@ def butterfly_sum(value, width: cutlass.Constexpr[int]):
 def block_sum(value):
     """The sum of `value` over the 256 threads of the block, in every thread: 5 shuffle levels
     inside each warp, then the 8 warp sums through shared memory and 3 more levels."""
-    warp_sums = cute.make_tensor(
-        cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK), cute.make_layout(WARPS_PER_BLOCK)
-    )
-    value = butterfly_sum(value, WARP_SIZE)
-    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-    if lane == 0:
-        warp_sums[warp] = value
-    cute.arch.sync_threads()  # every warp's sum is in shared memory before anyone reads
-    return butterfly_sum(warp_sums[lane % WARPS_PER_BLOCK], WARPS_PER_BLOCK)
+    return row_sums([value], THREADS_PER_BLOCK)[0]
+
+
+@cute.jit
+def row_sums(values, threads_per_row: cutlass.Constexpr[int]):
+    """The sums of each of `values` over the row's `threads_per_row` threads (a warp, or the
+    row's consecutive warps of the block), in all of them, each by block_sum's tree: 5 shuffle
+    levels inside each warp; past a warp, the warps' sums of every value land in shared memory
+    behind one barrier (the row's own, named, when the block holds several rows), then
+    log2(warps a row) more levels. A pair of sums costs one barrier, not two."""
+    values = [butterfly_sum(v, WARP_SIZE) for v in values]
+    if cutlass.const_expr(threads_per_row > WARP_SIZE):
+        warps_per_row = threads_per_row // WARP_SIZE
+        warp_sums = cute.make_tensor(
+            cute.arch.alloc_smem(cutlass.Float32, WARPS_PER_BLOCK * len(values)),
+            cute.make_layout((WARPS_PER_BLOCK, len(values))),
+        )
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        if lane == 0:
+            for k in cutlass.range_constexpr(len(values)):
+                warp_sums[warp, k] = values[k]
+        # every warp's sums are in shared memory before anyone reads
+        if cutlass.const_expr(threads_per_row == THREADS_PER_BLOCK):
+            cute.arch.sync_threads()
+        else:  # barrier 0 is the block's; a row past M never arrives, and no other row waits
+            cute.arch.barrier(
+                barrier_id=1 + warp // warps_per_row, number_of_threads=threads_per_row
+            )
+        first = warp - warp % warps_per_row  # the row's first warp
+        values = [
+            butterfly_sum(warp_sums[first + lane % warps_per_row, k], warps_per_row)
+            for k in range(len(values))
+        ]
+    return values
 
 
 @cute.jit
@@ -104,21 +130,30 @@ def in_bounds_mask(thread_copy, row_tile_coords, n):
 
 
 @cute.jit
-def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], fill, values):
+def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
     """values = this thread's elements of the row's tile `tile`, in float32. A full tile moves
     in 128-bit vectors; the row's last, partial tile element by element, each under a
-    predicate (index < n), and the elements it skips hold `fill` (a float32 value, set after
-    the conversion so that it is exact)."""
+    predicate (index < n); what it skips holds 0."""
     tile_copy, element_copy = tiled_copies
-    thread, _, _ = cute.arch.thread_idx()
+    thread = cute.arch.thread_idx()[0] % tile_copy.size  # its place among the row's threads
     row_tile = cute.local_tile(row, (tile_elems,), (tile,))
     if (tile + 1) * tile_elems <= n:
         copy_in(tile_copy.get_slice(thread), row_tile, values, None)
     else:
         thread_copy = element_copy.get_slice(thread)
         coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
+        copy_in(thread_copy, row_tile, values, in_bounds_mask(thread_copy, coords, n))
+
+
+@cute.jit
+def fill_past_end(tiled_copies, tile, n, tile_elems: cutlass.Constexpr[int], fill, values):
+    """values of the tile's elements at index >= n (a partial tile's) = fill, a float32 value
+    (the shift K: those elements then add exactly 0 to the shifted sums)."""
+    element_copy = tiled_copies[1]
+    if (tile + 1) * tile_elems > n:
+        thread_copy = element_copy.get_slice(cute.arch.thread_idx()[0] % element_copy.size)
+        coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (tile,))
         in_bounds = in_bounds_mask(thread_copy, coords, n)
-        copy_in(thread_copy, row_tile, values, in_bounds)
         for j in cutlass.range_constexpr(cute.size(values)):
             values[j] = cutlass.Float32(cutlass.select_(in_bounds[j], values[j], fill))
 
@@ -126,7 +161,7 @@ def load_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], fi
 @cute.jit
 def copy_in(thread_copy, source, values, in_bounds):
     """values[j] = this thread's j-th element of `source`, widened to float32 (in_bounds None:
-    all of them; else the skipped ones hold 0)."""
+    all of them; else the elements it skips hold 0)."""
     mine = thread_copy.partition_S(source)
     registers = cute.make_rmem_tensor_like(mine)
     if cutlass.const_expr(in_bounds is not None):
@@ -150,7 +185,7 @@ def copy_out(thread_copy, values, target, in_bounds):
 def store_tile(tiled_copies, row, tile, n, tile_elems: cutlass.Constexpr[int], values):
     """The reverse of load_tile: values rounded to the row's dtype and stored."""
     tile_copy, element_copy = tiled_copies
-    thread, _, _ = cute.arch.thread_idx()
+    thread = cute.arch.thread_idx()[0] % tile_copy.size  # its place among the row's threads
     row_tile = cute.local_tile(row, (tile_elems,), (tile,))
     if (tile + 1) * tile_elems <= n:
         copy_out(tile_copy.get_slice(thread), values, row_tile, None)
@@ -167,57 +202,129 @@ def thread_sums(values, shift, count: cutlass.Constexpr[int]):
     return pairwise_sum(shifted), pairwise_sum([d * d for d in shifted])
 
 
+def registers(count):
+    return cute.make_rmem_tensor(count, cutlass.Float32)
+
+
+@cute.jit
+def row_statistics(shift, thread_s1, thread_s2, inv_n, eps, threads_per_row):
+    """(mean, rstd) of a row from its threads' shifted sums, both reduced through one
+    barrier: m1 = sum(x - K) / N, var = sum((x - K)**2) / N - m1**2, mean = K + m1."""
+    s1, s2 = row_sums([thread_s1, thread_s2], threads_per_row)
+    m1 = s1 * inv_n
+    var = s2 * inv_n - m1 * m1
+    if var < 0.0:  # rounding below zero (a NaN compares false and stays)
+        var = cutlass.Float32(0.0)
+    return shift + m1, cute.math.rsqrt(var + eps, fastmath=True)
+
+
+@cute.jit
+def normalise_tile(copies, w, b, y_row, tile, n, tile_elems: cutlass.Constexpr[int], row_mean,
+                   row_rstd, values):  # fmt: skip
+    """y = (x - mean) rstd w + b over one tile, x in `values`; the tile of y stored."""
+    x_copies, w_copies = copies
+    weights, biases = registers(cute.size(values)), registers(cute.size(values))
+    load_tile(w_copies, w, tile, n, tile_elems, weights)
+    load_tile(w_copies, b, tile, n, tile_elems, biases)
+    for j in cutlass.range_constexpr(cute.size(values)):
+        values[j] = (values[j] - row_mean) * row_rstd * weights[j] + biases[j]
+    store_tile(x_copies, y_row, tile, n, tile_elems, values)
+
+
+@cute.jit
+def forward_row_in_registers(
+    x_row, w, b, y_row, n, inv_n, eps, copies, tile_elems: cutlass.Constexpr[int],
+    per_thread: cutlass.Constexpr[int], threads_per_row: cutlass.Constexpr[int],
+    row_tiles: cutlass.Constexpr[int],
+):  # fmt: skip
+    """A row of row_tiles tiles read once into registers: K = its mean, then the shifted sums
+    of the same registers (C = N in README.md's bound), y written. Returns (mean, rstd)."""
+    xs = [registers(per_thread) for _ in range(row_tiles)]
+    for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
+        load_tile(copies[0], x_row, tile, n, tile_elems, xs[tile])
+    thread_x = cutlass.Float32(0.0)
+    for tile in cutlass.range_constexpr(row_tiles):
+        thread_x = thread_x + pairwise_sum([xs[tile][j] for j in range(per_thread)])
+    shift = row_sums([thread_x], threads_per_row)[0] * inv_n
+    thread_s1, thread_s2 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+    for tile in cutlass.range_constexpr(row_tiles):
+        fill_past_end(copies[0], tile, n, tile_elems, shift, xs[tile])
+        s1, s2 = thread_sums(xs[tile], shift, per_thread)
+        thread_s1, thread_s2 = thread_s1 + s1, thread_s2 + s2
+    row_mean, row_rstd = row_statistics(shift, thread_s1, thread_s2, inv_n, eps, threads_per_row)
+    for tile in cutlass.range_constexpr(row_tiles):
+        normalise_tile(copies, w, b, y_row, tile, n, tile_elems, row_mean, row_rstd, xs[tile])
+    return row_mean, row_rstd
+
+
+@cute.jit
+def forward_row_streamed(
+    x_row, w, b, y_row, n, inv_n, eps, copies, tile_elems: cutlass.Constexpr[int],
+    per_thread: cutlass.Constexpr[int],
+):  # fmt: skip
+    """A row longer than the registers, a block's: K = the mean of tile 0 (a full tile: such
+    rows are longer than one), pass 1 the shifted sums, pass 2 y, last tile first (the last
+    tile is still in registers, the others likely in L2). Returns (mean, rstd)."""
+    tiles = (n + tile_elems - 1) // tile_elems
+    values = registers(per_thread)
+    load_tile(copies[0], x_row, 0, n, tile_elems, values)
+    inv_tile = cutlass.Float32(1.0 / tile_elems)  # a power of two: exact
+    shift = block_sum(pairwise_sum([values[j] for j in range(per_thread)])) * inv_tile
+    thread_s1, thread_s2 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+    for tile in cutlass.range(tiles):
+        if tile > 0:  # tile 0 is in registers
+            load_tile(copies[0], x_row, tile, n, tile_elems, values)
+        fill_past_end(copies[0], tile, n, tile_elems, shift, values)
+        s1, s2 = thread_sums(values, shift, per_thread)
+        thread_s1, thread_s2 = thread_s1 + s1, thread_s2 + s2
+    row_mean, row_rstd = row_statistics(shift, thread_s1, thread_s2, inv_n, eps, THREADS_PER_BLOCK)
+    for back in cutlass.range(tiles):
+        tile = tiles - 1 - back
+        if back > 0:
+            load_tile(copies[0], x_row, tile, n, tile_elems, values)
+        normalise_tile(copies, w, b, y_row, tile, n, tile_elems, row_mean, row_rstd, values)
+    return row_mean, row_rstd
+
+
 @cute.kernel
 def layernorm_forward_kernel(
     x: cute.Tensor, w: cute.Tensor, b: cute.Tensor, y: cute.Tensor, mean: cute.Tensor,
-    rstd: cute.Tensor, n: cutlass.Int32, inv_n: cutlass.Float32, eps: cutlass.Float32,
-    x_copies, w_copies, tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
+    rstd: cute.Tensor, m: cutlass.Int32, n: cutlass.Int32, inv_n: cutlass.Float32,
+    eps: cutlass.Float32, copies, tile_elems: cutlass.Constexpr[int],
+    per_thread: cutlass.Constexpr[int], threads_per_row: cutlass.Constexpr[int],
+    row_tiles: cutlass.Constexpr[int], whole_tiles: cutlass.Constexpr[bool],
 ):  # fmt: skip
-    row, _, _ = cute.arch.block_idx()
+    """A row per `threads_per_row` threads (one to eight warps); row_tiles > 0: the row held in
+    registers, 0: streamed. whole_tiles: N is row_tiles whole tiles, a constant here, so the
+    predicated path of a partial tile is not compiled (its registers would set the kernel's)."""
+    block, _, _ = cute.arch.block_idx()
     thread, _, _ = cute.arch.thread_idx()
-    x_row, y_row = x[row, None], y[row, None]
-    tiles = (n + tile_elems - 1) // tile_elems
-    values = cute.make_rmem_tensor(per_thread, cutlass.Float32)
-    weights = cute.make_rmem_tensor(per_thread, cutlass.Float32)
-    biases = cute.make_rmem_tensor(per_thread, cutlass.Float32)
-    # The shift: the mean of tile 0 (of the row, when it is shorter than a tile).
-    load_tile(x_copies, x_row, 0, n, tile_elems, 0.0, values)
-    inv_first = cutlass.Float32(1.0 / tile_elems)  # a power of two: exact
-    if n < tile_elems:
-        inv_first = inv_n
-    shift = block_sum(pairwise_sum([values[j] for j in range(per_thread)])) * inv_first
-    thread_s1, thread_s2 = cutlass.Float32(0.0), cutlass.Float32(0.0)
-    for tile in cutlass.range(tiles):
-        load_tile(x_copies, x_row, tile, n, tile_elems, shift, values)  # skipped: x - K = 0
-        s1, s2 = thread_sums(values, shift, per_thread)
-        thread_s1, thread_s2 = thread_s1 + s1, thread_s2 + s2
-    m1 = block_sum(thread_s1) * inv_n
-    var = block_sum(thread_s2) * inv_n - m1 * m1
-    if var < 0.0:  # rounding below zero (a NaN compares false and stays)
-        var = cutlass.Float32(0.0)
-    row_mean = shift + m1
-    row_rstd = cute.math.rsqrt(var + eps, fastmath=True)
-    if thread == 0:
-        mean[row] = row_mean
-        rstd[row] = row_rstd
-    for back in cutlass.range(tiles):
-        tile = tiles - 1 - back
-        if back > 0:  # the last tile is still in registers
-            load_tile(x_copies, x_row, tile, n, tile_elems, 0.0, values)
-        load_tile(w_copies, w, tile, n, tile_elems, 0.0, weights)
-        load_tile(w_copies, b, tile, n, tile_elems, 0.0, biases)
-        for j in cutlass.range_constexpr(per_thread):
-            values[j] = (values[j] - row_mean) * row_rstd * weights[j] + biases[j]
-        store_tile(x_copies, y_row, tile, n, tile_elems, values)
+    row = block * (THREADS_PER_BLOCK // threads_per_row) + thread // threads_per_row
+    # Rows of fewer than 256 threads: the last block's rows past M have none (their warps skip
+    # row_sums' barrier, named per row: only the row's own warps wait there). A block's: all.
+    if row < m:
+        if cutlass.const_expr(row_tiles > 0):
+            row_n = row_tiles * tile_elems if cutlass.const_expr(whole_tiles) else n
+            row_mean, row_rstd = forward_row_in_registers(
+                x[row, None], w, b, y[row, None], row_n, inv_n, eps, copies, tile_elems,
+                per_thread, threads_per_row, row_tiles,
+            )  # fmt: skip
+        else:
+            row_mean, row_rstd = forward_row_streamed(
+                x[row, None], w, b, y[row, None], n, inv_n, eps, copies, tile_elems, per_thread
+            )
+        if thread % threads_per_row == 0:
+            mean[row] = row_mean
+            rstd[row] = row_rstd
 
 
 @cute.jit
 def load_row_tile(copies, x_row, dy_row, w, tile, n, tile_elems: cutlass.Constexpr[int], regs):
     """x, dy and w of a tile into the registers regs = (x, dy, w), zero past n."""
     x_copies, w_copies = copies
-    load_tile(x_copies, x_row, tile, n, tile_elems, 0.0, regs[0])
-    load_tile(x_copies, dy_row, tile, n, tile_elems, 0.0, regs[1])
-    load_tile(w_copies, w, tile, n, tile_elems, 0.0, regs[2])
+    load_tile(x_copies, x_row, tile, n, tile_elems, regs[0])
+    load_tile(x_copies, dy_row, tile, n, tile_elems, regs[1])
+    load_tile(w_copies, w, tile, n, tile_elems, regs[2])
 
 
 @cute.jit
@@ -241,8 +348,8 @@ def backward_row(
         tile = tiles - 1 - back
         if back > 0:  # the last tile is still in registers
             load_row_tile((x_copies, w_copies), x_row, dy_row, w, tile, n, tile_elems, regs)
-        load_tile(partial_copies, dw_partial, tile, n, tile_elems, 0.0, regs[3])
-        load_tile(partial_copies, db_partial, tile, n, tile_elems, 0.0, regs[4])
+        load_tile(partial_copies, dw_partial, tile, n, tile_elems, regs[3])
+        load_tile(partial_copies, db_partial, tile, n, tile_elems, regs[4])
         for j in cutlass.range_constexpr(per_thread):
             xhat = (regs[0][j] - row_mean) * row_rstd
             regs[3][j] = regs[3][j] + regs[1][j] * xhat
@@ -291,13 +398,13 @@ def layernorm_backward_rows_kernel(
     for tile in cutlass.range_constexpr(row_tiles):
         dws[tile].fill(0.0)
         dbs[tile].fill(0.0)
-        load_tile(w_copies, w, tile, n, tile_elems, 0.0, ws[tile])
+        load_tile(w_copies, w, tile, n, tile_elems, ws[tile])
     first = group * rows_per_group
     for row in cutlass.range(first, cutlass.min(first + rows_per_group, m)):
         row_mean, row_rstd = mean[row], rstd[row]
         for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
-            load_tile(x_copies, x[row, None], tile, n, tile_elems, 0.0, xs[tile])
-            load_tile(x_copies, dy[row, None], tile, n, tile_elems, 0.0, dys[tile])
+            load_tile(x_copies, x[row, None], tile, n, tile_elems, xs[tile])
+            load_tile(x_copies, dy[row, None], tile, n, tile_elems, dys[tile])
         thread_a, thread_b = cutlass.Float32(0.0), cutlass.Float32(0.0)
         for tile in cutlass.range_constexpr(row_tiles):
             g = [dys[tile][j] * ws[tile][j] for j in range(per_thread)]
@@ -348,12 +455,12 @@ def sum_partials_kernel(partials: cute.Tensor, out: cute.Tensor, groups: cutlass
         out[col] = total.to(out.element_type)
 
 
-def tiled_copies(dtype, run, vector):
+def tiled_copies(dtype, run, vector, threads=THREADS_PER_BLOCK):
     """(tile copy, element copy) of one operand: thread t owns runs of `run` adjacent elements
-    (16 bytes of x), the 256 threads side by side, VECTORS_PER_THREAD runs each per tile. The
+    (16 bytes of x), the row's `threads` side by side, VECTORS_PER_THREAD runs each per tile. The
     tile copy moves up to 128 bits per access when `vector`, one element otherwise; the
     element copy one element under its own predicate; both give a thread the same elements."""
-    thread_layout, value_layout = cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run)
+    thread_layout, value_layout = cute.make_layout(threads), cute.make_layout(run)
     access = min(run, VECTOR_BYTES * 8 // dtype.width) if vector else 1
     tile_atom = cute.make_copy_atom(
         cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * access
@@ -367,25 +474,33 @@ def tiled_copies(dtype, run, vector):
     )
 
 
-def tile_shape(dtype_width):
-    """(elements per tile, elements per thread per tile, elements per run) for x's dtype."""
+def tile_shape(dtype_width, threads=THREADS_PER_BLOCK):
+    """(elements per tile, elements per thread per tile, elements per run) for x's dtype and
+    `threads` per row."""
     run = VECTOR_BYTES * 8 // dtype_width
-    return THREADS_PER_BLOCK * VECTORS_PER_THREAD * run, VECTORS_PER_THREAD * run, run
+    return threads * VECTORS_PER_THREAD * run, VECTORS_PER_THREAD * run, run
 
 
 @cute.jit
 def launch_forward(
     x: cute.Tensor, w: cute.Tensor, b: cute.Tensor, y: cute.Tensor, mean: cute.Tensor,
     rstd: cute.Tensor, inv_n: cutlass.Float32, eps: cutlass.Float32, stream: cuda.CUstream,
-    vector: cutlass.Constexpr[bool],
+    vector: cutlass.Constexpr[bool], threads_per_row: cutlass.Constexpr[int],
+    row_tiles: cutlass.Constexpr[int], whole_tiles: cutlass.Constexpr[bool],
 ):  # fmt: skip
+    """The forward on forward_map's (threads_per_row, row_tiles, whole_tiles)."""
     m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
-    tile_elems, per_thread, run = tile_shape(x.element_type.width)
-    x_copies = tiled_copies(x.element_type, run, vector)
-    w_copies = tiled_copies(w.element_type, run, vector)
+    tile_elems, per_thread, run = tile_shape(x.element_type.width, threads_per_row)
+    copies = (
+        tiled_copies(x.element_type, run, vector, threads_per_row),
+        tiled_copies(w.element_type, run, vector, threads_per_row),
+    )
+    rows_per_block = THREADS_PER_BLOCK // threads_per_row
     layernorm_forward_kernel(
-        x, w, b, y, mean, rstd, n, inv_n, eps, x_copies, w_copies, tile_elems, per_thread
-    ).launch(grid=[m, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+        x, w, b, y, mean, rstd, m, n, inv_n, eps, copies, tile_elems, per_thread,
+        threads_per_row, row_tiles, whole_tiles,
+    ).launch(grid=[(m + rows_per_block - 1) // rows_per_block, 1, 1],
+             block=[THREADS_PER_BLOCK, 1, 1], stream=stream)  # fmt: skip
 
 
 @cute.jit
@@ -446,10 +561,10 @@ def fake_stats(m):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (m,), stride=(cute.sym_int64(),))
 
 
-def build(direction, dtype, parameter_dtype, vector, row_tiles=0, options=""):
-    """cute.compile the forward or backward (`row_tiles` as row_tiles_of gives it) launcher for
-    TVM-FFI calls on torch tensors, on torch's current stream; the operands share symbolic M
-    and N."""
+def build(direction, dtype, parameter_dtype, vector, row_tiles=0, forward_shape=None, options=""):
+    """cute.compile the forward (on forward_shape, forward_map's triple) or backward
+    (`row_tiles` as row_tiles_of gives it) launcher for TVM-FFI calls on torch tensors, on
+    torch's current stream; the operands share symbolic M and N."""
     m, n, groups = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
     x_type, p_type = TORCH_TO_CUTLASS[dtype], TORCH_TO_CUTLASS[parameter_dtype]
     run = tile_shape(x_type.width)[2]
@@ -467,15 +582,16 @@ def build(direction, dtype, parameter_dtype, vector, row_tiles=0, options=""):
                     cutlass.Float32(1.0))  # fmt: skip
         launcher, operands = launch_backward, (*operands, stream, vector, row_tiles)
     if direction == "forward":
-        operands = (*operands, stream, vector)
+        operands = (*operands, stream, vector, *forward_shape)
     return cute.compile(launcher, *operands, options=f"--enable-tvm-ffi {options}")
 
 
 @functools.cache
-def compile_kernel(direction, dtype, parameter_dtype, vector, row_tiles=0):
-    """The compiled launcher, built once per (direction, dtypes, access width, tiles held) and
-    cached."""
-    return build(direction, dtype, parameter_dtype, vector, row_tiles).__tvm_ffi_object__()
+def compile_kernel(direction, dtype, parameter_dtype, vector, row_tiles=0, forward_shape=None):
+    """The compiled launcher, built once per (direction, dtypes, access width, the backward's
+    tiles held or the forward's map) and cached."""
+    built = build(direction, dtype, parameter_dtype, vector, row_tiles, forward_shape)
+    return built.__tvm_ffi_object__()
 
 
 @functools.cache
@@ -489,11 +605,12 @@ def compile_sum(dtype):
     return cute.compile(launch_sum, partials, out, stream, options="--enable-tvm-ffi")
 
 
-def ptx_of(direction, dtype, contiguous, row_tiles=0):
+def ptx_of(direction, dtype, contiguous, row_tiles=0, forward_shape=None):
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(direction, dtype, dtype, contiguous, row_tiles, options).__ptx__
+        built = build(direction, dtype, dtype, contiguous, row_tiles, forward_shape, options)
+        return built.__ptx__
 
 
 def is_vector_friendly(t):
@@ -514,28 +631,54 @@ def row_groups(m):
 
 
 @functools.cache
-def row_tiles_of(n, dtype):
-    """The tiles of a row the rows kernel holds in registers, or 0: a row at a time."""
-    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8)
+def row_tiles_of(n, dtype, threads=THREADS_PER_BLOCK):
+    """The tiles of a row of `threads` threads held in registers (the forward's rows and the
+    backward's rows kernel), or 0: streamed, a row at a time."""
+    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8, threads)
     tiles = -(-n // tile_elems)
     return tiles if tiles * per_thread <= ROW_REGISTERS_MAX else 0
 
 
+@functools.cache
+def forward_map(n, dtype):
+    """(threads a row, tiles held, whole tiles): the fewest threads (a warp, 2, 4 or 8 warps) whose
+    registers hold the row, ROW_REGISTERS_MAX values a thread (N <= 8192): each thread then
+    keeps up to 64 bytes of bf16 x in flight, where a block per row leaves 32 or fewer and
+    most of the block's registers idle (README.md, tuning log). Longer rows: a block each,
+    streamed. Whole tiles (N a multiple of the tile, as 1024, 4096, 8192 are): a build with
+    no partial tile, 64 registers a thread where the predicated path takes 78 (ptxas, bf16
+    at 4096), so four blocks fit an SM, not three."""
+    threads = WARP_SIZE
+    while threads < THREADS_PER_BLOCK and not row_tiles_of(n, dtype, threads):
+        threads *= 2
+    row_tiles = row_tiles_of(n, dtype, threads)
+    tile_elems = tile_shape(dtype.itemsize * 8, threads)[0]
+    return threads, row_tiles, row_tiles > 0 and n == row_tiles * tile_elems
+
+
+def row_sum_path(n, dtype, threads):
+    """Additions on a term's way into a row sum: a tile's pairwise tree (log2 V), an add per
+    tile into the thread's sum, log2(threads) levels across the row's threads (a warp's 5,
+    block_sum's 8)."""
+    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8, threads)
+    return int(math.log2(per_thread)) + -(-n // tile_elems) + int(math.log2(threads))
+
+
 def statistics_path(n, dtype):
-    """(k, C) of README.md's bound: a tile's pairwise tree (log2 V), an add per tile into the
-    thread's sum, and block_sum's 8 levels; the shift is the mean of the first tile."""
-    tile_elems, per_thread, _ = tile_shape(dtype.itemsize * 8)
-    tiles = -(-n // tile_elems)
-    return int(math.log2(per_thread)) + tiles + int(math.log2(THREADS_PER_BLOCK)), tile_elems
+    """(k, C) of README.md's bound on forward_map's map; the shift is the row's mean when the
+    row is held (C = N), else tile 0's."""
+    threads, row_tiles, _ = forward_map(n, dtype)
+    tile_elems = tile_shape(dtype.itemsize * 8, threads)[0]
+    return row_sum_path(n, dtype, threads), (n if row_tiles else tile_elems)
 
 
 def backward_path(m, n, dtype):
-    """(row additions, column additions): as the forward's row sums; a group's rows one after
-    another into its partial row (which starts at 0), then sum_partials_kernel: the groups of
-    a slice in order, then the WARPS_PER_BLOCK slices."""
+    """(row additions, column additions): a block's row sums (row_sum_path); a group's rows one
+    after another into its partial row (which starts at 0), then sum_partials_kernel: the
+    groups of a slice in order, then the WARPS_PER_BLOCK slices."""
     groups, rows_per_group = row_groups(m)
     slices = -(-groups // WARPS_PER_BLOCK) + WARPS_PER_BLOCK
-    return statistics_path(n, dtype)[0], rows_per_group + slices
+    return row_sum_path(n, dtype, THREADS_PER_BLOCK), rows_per_group + slices
 
 
 @functools.lru_cache(maxsize=16)
@@ -564,7 +707,9 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
     (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
     vector = all(is_vector_friendly(t) for t in (x_rows, y_rows, w, b))
-    kernel = compile_kernel("forward", x.dtype, w.dtype, vector)
+    kernel = compile_kernel(
+        "forward", x.dtype, w.dtype, vector, 0, forward_map(x.shape[-1], x.dtype)
+    )
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
     kernel(x_rows, w, b, y_rows, mean_v, rstd_v, 1.0 / x.shape[-1], to_float32(eps))
     for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),

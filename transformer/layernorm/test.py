@@ -7,6 +7,9 @@ read; launching them needs the GPU, and those tests say so when they skip.
 
 import math
 import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,9 +59,11 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 # (M, N): no rows, 1, primes, 2**k +- 1 and the edges of a CuTe tile (2048 float32, 4096
-# 16-bit elements).
+# 16-bit elements); the CuTe forward's maps (cute_impl.forward_map): a warp a row (7, 31), 2
+# and 4 warps (3, 4000), (3, 2048) with the last block's second row past M, whole and partial
+# tiles, a block's row held (2, 8191) and streamed (2, 8193).
 SHAPES = [(0, 5), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097), (3, 2048),
-          (2, 8191)]  # fmt: skip
+          (3, 4000), (2, 8191), (2, 8193)]  # fmt: skip
 EPS = 1e-5
 U32 = unit_roundoff(torch.float32)
 TINY32 = torch.finfo(torch.float32).tiny
@@ -1037,43 +1042,84 @@ def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
+# The CuTe builds: the forward on forward_map's (threads a row, tiles held, whole tiles) (a
+# warp's row held, 4 warps' partial tiles, a block streaming), the backward on row_tiles.
+CUTE_BUILDS = [("forward", 0, (32, 2, True)), ("forward", 0, (128, 2, False)),
+               ("forward", 0, (256, 0, False)), ("backward", 0, None), ("backward", 1, None),
+               ("backward", 2, None)]  # fmt: skip
+
+
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction, row_tiles", [("forward", 0), ("backward", 0),
-                                                   ("backward", 1), ("backward", 2)])  # fmt: skip
+@pytest.mark.parametrize("direction, row_tiles, forward_shape", CUTE_BUILDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, row_tiles, dtype):
-    """The CuTe kernels build for sm_90a (the backward's rows kernel once per count of tiles
-    held): 128-bit loads and stores on the vector path (none in the any-stride build), the
-    warp shuffles of block_sum, and in the forward the rsqrt.approx.ftz.f32 README.md's bound
-    counts."""
-    vector = cute_impl.ptx_of(direction, dtype, True, row_tiles)
-    scalar = cute_impl.ptx_of(direction, dtype, False, row_tiles)
+def test_cute_ptx(direction, row_tiles, forward_shape, dtype):
+    """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
+    the any-stride build), the warp shuffles of the row sums, and in the forward the
+    rsqrt.approx.ftz.f32 README.md's bound counts and the barriers of its map: none for a
+    warp's row, the row's own named barrier for 2-4 warps, two block barriers for a block's
+    row (the shift, then both shifted sums together: was three)."""
+    vector = cute_impl.ptx_of(direction, dtype, True, row_tiles, forward_shape)
+    scalar = cute_impl.ptx_of(direction, dtype, False, row_tiles, forward_shape)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
     assert "shfl.sync.bfly" in vector
     if direction == "forward":
         assert "rsqrt.approx.ftz.f32" in vector
+        threads = forward_shape[0]
+        barriers = re.findall(r"\bbar\.sync\s+[^;]*;|\bbarrier\.sync[^;]*;", vector)
+        block_wide = [bool(re.fullmatch(r"bar\.sync\s+0;", bar)) for bar in barriers]
+        assert block_wide == [threads == 256] * (0 if threads == 32 else 2), barriers
+
+
+HEADLINE_FORWARDS = [(torch.bfloat16, 1024), (torch.bfloat16, 4096), (torch.bfloat16, 8192),
+                     (torch.float32, 4096)]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    cute_impl is None or shutil.which("ptxas") is None,
+    reason="needs the CuTe DSL and ptxas (CUDA toolkit) to count registers",
+)
+@pytest.mark.parametrize("dtype, n", HEADLINE_FORWARDS, ids=str)
+def test_cute_forward_registers(dtype, n, tmp_path):
+    """The forward's build at the headline sizes (whole tiles) takes at most 64 registers a
+    thread without spills (ptxas -v on its sm_90a PTX): four blocks of 256 threads an SM, the
+    occupancy README.md's tuning log counts on (the old kernel took 80: three)."""
+    ptx = tmp_path / "forward.ptx"
+    ptx.write_text(cute_impl.ptx_of("forward", dtype, True, 0, cute_impl.forward_map(n, dtype)))
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= 65536 // (4 * cute_impl.THREADS_PER_BLOCK), report
+    assert "0 bytes spill stores" in report, report
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 def test_cute_mixed_precision_and_sum_build():
     """float32 weight over bfloat16 x builds both ways (two 128-bit weight loads per 16-byte
     run of x), and so does the partial-sum kernel of each dtype."""
-    for direction in ("forward", "backward"):
-        assert cute_impl.build(direction, torch.bfloat16, torch.float32, True) is not None
+    forward_shape = cute_impl.forward_map(4096, torch.bfloat16)
+    assert cute_impl.build("forward", torch.bfloat16, torch.float32, True, 0, forward_shape)
+    assert cute_impl.build("backward", torch.bfloat16, torch.float32, True) is not None
     for dtype in DTYPES:
         assert cute_impl.compile_sum(dtype) is not None
 
 
 def test_cute_paths_match_the_tile():
-    """The counts README.md's bound uses: one tile of 4096 16-bit (2048 float32) elements
-    gives log2 V + 1 + 8 additions, and the shift is that tile's mean; a column's partials
-    add 64 rows, then a slice of 512 / 8 groups, then the 8 slices. Rows of up to 8192
-    elements in every dtype go to the rows kernel."""
+    """The counts README.md's bound uses: log2 V + tiles + log2(threads a row) additions on
+    forward_map's map, the shift the row's mean when it is held (C = N), else the first 4096
+    16-bit elements'; a column's partials add 64 rows, then a slice of 512 / 8 groups, then
+    the 8 slices. Rows of up to 8192 elements in every dtype are held in registers."""
     if cute_impl is None:
         pytest.skip(CUTE_MISSING)
-    assert cute_impl.statistics_path(4096, torch.bfloat16) == (4 + 1 + 8, 4096)
-    assert cute_impl.statistics_path(4097, torch.float32) == (3 + 3 + 8, 2048)
+    assert cute_impl.statistics_path(4096, torch.bfloat16) == (4 + 2 + 7, 4096)  # 4 warps
+    assert cute_impl.statistics_path(4097, torch.float32) == (3 + 3 + 8, 4097)  # held
+    assert cute_impl.statistics_path(8193, torch.bfloat16) == (4 + 3 + 8, 4096)  # streamed
+    maps = [cute_impl.forward_map(n, dtype) for n, dtype in [
+        (1, torch.bfloat16), (1024, torch.bfloat16), (2048, torch.float16), (4000, torch.bfloat16),
+        (4096, torch.float32), (8192, torch.bfloat16), (8191, torch.float32),
+        (8193, torch.bfloat16)]]  # fmt: skip
+    assert maps == [(32, 1, False), (32, 2, True), (64, 2, True), (128, 2, False),
+                    (128, 4, True), (256, 2, True), (256, 4, False), (256, 0, False)]  # fmt: skip
     assert cute_impl.backward_path(32768, 8192, torch.bfloat16) == (4 + 2 + 8, 64 + 64 + 8)
     tiles = [cute_impl.row_tiles_of(n, dtype) for n, dtype in [
         (1, torch.bfloat16), (4096, torch.float16), (8192, torch.bfloat16),
