@@ -1,7 +1,10 @@
 """Benchmark attention on the GPU, forward and forward+backward, against the anchors.
 
     python bench.py            writes results.json and perf.png beside this file
-    python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 only, no files
+    python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 causal and not, fwd and
+                               fwd+bwd, the anchors but not the materialised torch_impl, and
+                               the per-call rows of triton and the library; no files, < 3 minutes
+                               (BENCH_QUICK=1 does the same)
     python bench.py --headline that shape causal and not, with the per-call rows; files
 
 Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
@@ -16,6 +19,7 @@ importable. torch_impl (the materialised scores) is timed where its float32 scor
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -209,14 +213,18 @@ def plot(rows, path):
 
 
 def main(quick=False, headline=False):
+    started = time.perf_counter()
     ceiling, impls, rows = matmul_ceiling_tflops(), implementations(), []
-    if not quick:
-        rows += per_call_rows(impls)
+    if quick:  # the materialised scores take seconds a call at the headline shape
+        del impls["torch"]
+    rows += per_call_rows({n: impls[n] for n in ("library", "triton")} if quick else impls)
+    for row in rows:
+        print(f"{row['impl']:8s} per call {row['host_us']:.1f} us")
     for shape in [HEADLINE] if quick or headline else [HEADLINE, *SWEEP]:
         for causal in (False, True):
             rows += shape_rows(impls, shape, causal, ceiling)
             torch.cuda.empty_cache()
-    print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
+    print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s ({time.perf_counter() - started:.0f} s)")
     results = {"device": torch.cuda.get_device_name(),
                "ceilings": {"bf16_matmul_TFLOPs": ceiling}, "rows": rows}  # fmt: skip
     if not quick:
@@ -226,4 +234,5 @@ def main(quick=False, headline=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv, headline="--headline" in sys.argv)
+    quick = "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
+    main(quick=quick, headline="--headline" in sys.argv)

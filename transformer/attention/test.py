@@ -498,5 +498,49 @@ def test_model_sizes_against_float64(impl, head_dim, causal):
     check_backward(impl, q, k, v, do, causal)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="model sizes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("head_dim", [80, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_model_sizes_head_dims_80_and_256(head_dim, causal):
+    """The GPU tiles at D = 80 (padded to 128) and D = 256 (FORWARD_TILES's own entry), bf16."""
+    q, k, v, do = operands(1, 1031, 1024, 4, 2, head_dim, torch.bfloat16)
+    check_backward("triton", q, k, v, do, causal)
+
+
+def misaligned(t):
+    """A copy of t whose base sits one element past a 16-byte boundary: no TMA descriptor."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buffer[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU tiles (128 queries x 128 keys at D = 128)")
+@pytest.mark.parametrize("path", ["tma", "pointers"])
+@pytest.mark.parametrize(
+    "lengths", [(1024, 1024), (1000, 1100), (1100, 1000), (100, 4096)], ids=str
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_unmasked_and_masked_key_loops(path, lengths, causal):
+    """The key loop's split at the GPU tile: lengths that are multiples of 128 and not, the
+    causal diagonal shifted both ways, through descriptors and (misaligned copies) pointers."""
+    q, k, v, _ = operands(1, *lengths, 4, 2, 128, torch.bfloat16)
+    if path == "pointers":
+        q, k, v = (misaligned(t) for t in (q, k, v))
+    o, lse = torch.empty_like(q), torch.empty(1, 4, lengths[0], device=DEVICE)
+    plan = triton_impl.forward_plan(q, k, v, o, lse, causal, 1 / math.sqrt(128))
+    assert plan.config["TMA"] == (path == "tma")
+    check_forward("triton", q, k, v, causal, o=o, lse=lse)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the direct launch reuses a compiled GPU kernel")
+def test_direct_launch_matches_first_launch():
+    """The first call of a shape goes through the JIT and keeps the compiled kernel; the second
+    launches it directly: same bits."""
+    q, k, v, _ = operands(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    triton_impl.FORWARD_PLANS.clear()
+    runs = [triton_impl.attention(q, k, v, causal=True) for _ in range(2)]
+    assert all(plan.compiled is not None for plan in triton_impl.FORWARD_PLANS.values())
+    assert_same_bits(runs[0], runs[1], "direct launch")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
