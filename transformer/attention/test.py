@@ -440,6 +440,18 @@ def test_triton_unmasked_and_masked_key_loops(path, lengths, causal):
     check_forward("triton", q, k, v, causal, o=o, lse=lse)
 
 
+def test_triton_cached_plan_still_validates():
+    """After a valid call caches its ForwardPlan, calls with the same shapes, strides and dtypes
+    are still refused when an output overlaps an input or causal is 1 instead of True."""
+    q, k, v, _ = operands(1, 9, 9, 2, 2, 16, torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 9, device=DEVICE)
+    triton_impl.attention_forward(q, k, v, True, None, o, lse)
+    with pytest.raises(ValueError, match="o overlaps k"):
+        triton_impl.attention_forward(q, k, v, True, None, k, lse)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        triton_impl.attention_forward(q, k, v, 1, None, o, lse)
+
+
 def sm90_forward_assembly(dtype_name, head_dim, causal):
     """(PTX, TTGIR) of the forward kernel for Hopper (sm_90) with tensor descriptors, compiled
     without a GPU (triton.compile for a GPUTarget); needs a process without TRITON_INTERPRET."""

@@ -29,7 +29,14 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from reference import backward_outputs, check_operands, default_scale, forward_outputs
+from reference import (
+    backward_outputs,
+    check_no_overlap,
+    check_operands,
+    default_scale,
+    forward_outputs,
+    reach,
+)
 from torch_impl import model_plumbing
 
 LOG2E = 1.4426950408889634
@@ -364,10 +371,11 @@ class CheckedDescriptor(TensorDescriptor):
 
 
 class ForwardPlan:
-    """Everything about a forward launch that the shapes, strides, dtype and pointer alignment
-    fix, computed once: the grid, the scalar arguments, the compile-time constants, the
-    descriptor block shapes, and (on a GPU, after the first launch) the compiled kernel, which
-    later calls launch directly instead of through the JIT's argument binding."""
+    """Everything about a forward launch that `plan_key` fixes, computed once with the full
+    validation (check_operands): the grid, the scalar arguments, the compile-time constants, the
+    descriptors' shapes, the bytes each operand reaches, and (on a GPU, after the first launch)
+    the compiled kernel, which later calls launch directly instead of through the JIT's argument
+    binding. A later call of the key only checks what the key leaves out: overlaps."""
 
     def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
         batch, s_q, heads, head_dim = q.shape
@@ -379,11 +387,18 @@ class ForwardPlan:
         blocks = (query_rows, key_rows, key_rows, query_rows)
         self.layouts = [(list(t.shape), list(t.stride()), block)  # q, k, v, o's descriptors
                         for t, block in zip((q, k, v, o), blocks, strict=True)]  # fmt: skip
+        self.reach = [reach(t) for t in (q, k, v, o, lse)]
         self.scalars = (s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
                         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                         *lse.stride()[:2])  # fmt: skip
         self.constexprs = (causal, *(self.config[n] for n in CONSTEXPRS))
         self.compiled = None
+
+    def check_overlaps(self, q, k, v, o, lse):
+        tensors = (q, k, v, o, lse)
+        ranges = [(name, (t.data_ptr(), t.data_ptr() + span))
+                  for name, t, span in zip(OPERANDS, tensors, self.reach, strict=True)]  # fmt: skip
+        check_no_overlap(ranges[:3], ranges[3:])
 
     def operands(self, q, k, v, o):
         if not self.config["TMA"]:
@@ -411,31 +426,49 @@ class ForwardPlan:
                    *args)  # fmt: skip
 
 
+OPERANDS = ("q", "k", "v", "o", "lse")
 CONSTEXPRS = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "UPCAST", "TMA")
-FORWARD_PLANS = {}  # (shapes, strides, dtype, device, causal, scale, alignment) -> ForwardPlan
+FORWARD_PLANS = {}  # plan_key -> ForwardPlan, filled by calls that passed check_operands
+
+
+def plan_key(q, k, v, o, lse, causal, scale):
+    """All that check_operands and the launch read of the operands except their addresses: per
+    tensor its shape, strides, dtype, device and base alignment (Triton specialises pointers on
+    16 bytes); causal and scale with their types (True == 1 in a dict). None when an operand is
+    not a tensor or scale is unhashable: check_operands says which."""
+    try:
+        tensors = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                   for t in (q, k, v, o, lse)]  # fmt: skip
+        hash(scale)
+        return (causal, type(causal), scale, type(scale), *tensors)
+    except (AttributeError, TypeError):
+        return None
 
 
 def forward_plan(q, k, v, o, lse, causal, scale):
-    """The cached ForwardPlan of these operands (built on the first call of a key)."""
-    operands = (q, k, v, o, lse)
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in operands)
-    key = (q.shape, k.shape, *(t.stride() for t in operands), q.dtype, q.device, causal, scale,
-           aligned)  # fmt: skip
+    """The ForwardPlan of these operands: after the full validation on a key's first call, the
+    cached plan and an overlap check after."""
+    key = plan_key(q, k, v, o, lse, causal, scale)
     plan = FORWARD_PLANS.get(key)
-    if plan is None:
-        use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, o))
-        plan = FORWARD_PLANS[key] = ForwardPlan(q, k, v, o, lse, causal, scale, use_tma)
+    if plan is not None:
+        plan.check_overlaps(q, k, v, o, lse)
+        return plan
+    check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
+    if o.numel() == 0:
+        return None
+    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, o))
+    scale_value = default_scale(q.shape[3], scale)
+    plan = ForwardPlan(q, k, v, o, lse, causal, scale_value, use_tma)
+    if key is not None:
+        FORWARD_PLANS[key] = plan
     return plan
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
-    check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
-    scale = default_scale(q.shape[3], scale)
-    if o.numel() == 0:
-        return o, lse
     plan = forward_plan(q, k, v, o, lse, causal, scale)
-    with on_device_of(q):
-        plan.launch(q, k, v, o, lse)
+    if plan is not None:  # None: nothing to compute (no query, head, batch or a zero D)
+        with on_device_of(q):
+            plan.launch(q, k, v, o, lse)
     return o, lse
 
 
