@@ -131,6 +131,8 @@ def attention_forward_kernel(
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_m, bh = tl.program_id(0), tl.program_id(1)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first, the short ones last
+        block_m = tl.num_programs(0) - 1 - block_m
     b, h = (bh // heads).to(tl.int64), bh % heads
     g = (h // group).to(tl.int64)
     first_row = block_m * BLOCK_M
