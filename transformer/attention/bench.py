@@ -1,8 +1,13 @@
 """Benchmark attention on the GPU, forward and forward+backward, against the anchors.
 
     python bench.py            writes results.json and perf.png beside this file
-    python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 only, no files
+    python bench.py --quick    bf16 B = 4, H = 32, S = 4096, D = 128 causal and not, fwd and
+                               fwd+bwd, the anchors but not the materialised torch_impl, and
+                               the per-call rows of triton and the library; no files, < 3 minutes
+                               (BENCH_QUICK=1 does the same)
     python bench.py --headline that shape causal and not, with the per-call rows; files
+    python bench.py --tiles    the Triton forward at that shape under each of TILE_SWEEP's
+                               tiles, causal and not (for FORWARD_TILES); no files
 
 Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
 are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
@@ -15,7 +20,9 @@ flash-attention 2, FlashAttention-4's CuTe kernels (`flash_attn.cute.flash_attn_
 importable. torch_impl (the materialised scores) is timed where its float32 scores fit.
 """
 
+import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +44,10 @@ SWEEP = [
 ]
 SWEEP += [(4, 4096, 32, 8, 128)]
 TINY, CALLS = (1, 16, 2, 2, 64), 1000
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --tiles for 16-bit D = 128: the
+# tutorial-style neighbourhood of FORWARD_TILES's entry.
+TILE_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3),
+              (128, 64, 8, 4), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]  # fmt: skip
 MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
 
 
@@ -185,6 +196,32 @@ def per_call_rows(impls):
     ]  # fmt: skip
 
 
+def tile_sweep():
+    """TFLOP/s of the Triton forward at HEADLINE under each TILE_SWEEP tile, causal and not."""
+    batch, seq, heads, heads_kv, head_dim = HEADLINE
+    q = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seq, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")  # fmt: skip
+    chosen = triton_impl.FORWARD_TILES[(2, head_dim)]
+    for tile in TILE_SWEEP:
+        triton_impl.FORWARD_TILES[(2, head_dim)] = tile
+        triton_impl.FORWARD_PLANS.clear()
+        for causal in (False, True):
+            forward = functools.partial(triton_impl.attention, q, k, v, causal=causal)
+            try:
+                error = (forward().float() - sdpa()(q, k, v, causal).float()).abs().max()
+                ms, _ = graph_ms(forward)
+            except Exception as failure:  # a tile that does not fit shared memory or registers
+                print(f"tile {tile} causal={causal}: {type(failure).__name__}")
+                continue
+            flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+            mark = "  (FORWARD_TILES)" if tile == chosen else ""
+            print(f"tile {tile} causal={causal!s:5s} {ms * 1e3:8.1f} us "
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
+    triton_impl.FORWARD_TILES[(2, head_dim)] = chosen
+    triton_impl.FORWARD_PLANS.clear()
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -209,14 +246,18 @@ def plot(rows, path):
 
 
 def main(quick=False, headline=False):
+    started = time.perf_counter()
     ceiling, impls, rows = matmul_ceiling_tflops(), implementations(), []
-    if not quick:
-        rows += per_call_rows(impls)
+    if quick:  # the materialised scores take seconds a call at the headline shape
+        del impls["torch"]
+    rows += per_call_rows({n: impls[n] for n in ("library", "triton")} if quick else impls)
+    for row in rows:
+        print(f"{row['impl']:8s} per call {row['host_us']:.1f} us")
     for shape in [HEADLINE] if quick or headline else [HEADLINE, *SWEEP]:
         for causal in (False, True):
             rows += shape_rows(impls, shape, causal, ceiling)
             torch.cuda.empty_cache()
-    print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
+    print(f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s ({time.perf_counter() - started:.0f} s)")
     results = {"device": torch.cuda.get_device_name(),
                "ceilings": {"bf16_matmul_TFLOPs": ceiling}, "rows": rows}  # fmt: skip
     if not quick:
@@ -226,4 +267,8 @@ def main(quick=False, headline=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv, headline="--headline" in sys.argv)
+    quick = "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
+    if "--tiles" in sys.argv:
+        tile_sweep()
+    else:
+        main(quick=quick, headline="--headline" in sys.argv)

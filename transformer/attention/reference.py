@@ -36,12 +36,28 @@ def default_scale(head_dim, scale):
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def reach(t):
+    """How many bytes past its first element a tensor's elements reach (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (span + 1) * t.element_size()
+
+
 def address_range(t):
     """[first byte, past the last byte) of the elements a tensor can reach."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+    return t.data_ptr(), t.data_ptr() + reach(t)
+
+
+def check_no_overlap(inputs, outputs):
+    """inputs, outputs: [(name, (first byte, past the last))]; raise ValueError when an output
+    reaches the memory of an input or of an earlier output."""
+    ranges = list(inputs)
+    for name, (start, end) in outputs:
+        for other, (lo, hi) in ranges:
+            if start < hi and lo < end:
+                raise ValueError(f"{name} overlaps {other}: outputs need memory of their own")
+        ranges.append((name, (start, end)))
 
 
 def _check_tensor(name, t, shape, dtype, device):
@@ -86,16 +102,12 @@ def check_operands(q, k, v, causal, scale, outputs=()):
         or scale <= 0
     ):  # fmt: skip
         raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
-    ranges = [("q", address_range(q)), ("k", address_range(k)), ("v", address_range(v))]
     for name, t, shape, dtype in outputs:
         _check_tensor(name, t, shape, dtype, q.device)
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous (stride 1)")
-        start, end = address_range(t)
-        for other, (lo, hi) in ranges:
-            if start < hi and lo < end:
-                raise ValueError(f"{name} overlaps {other}: outputs need memory of their own")
-        ranges.append((name, (start, end)))
+    check_no_overlap([(name, address_range(t)) for name, t in (("q", q), ("k", k), ("v", v))],
+                     [(name, address_range(t)) for name, t, _, _ in outputs])  # fmt: skip
 
 
 def forward_outputs(q, o, lse):

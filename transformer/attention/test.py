@@ -4,8 +4,10 @@ Run with `python test.py` (or `nox -s attention` from the top). Without a GPU, t
 CPU and Triton under its interpreter at tiny sizes; the GPU adds the model sizes.
 """
 
+import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -393,13 +395,106 @@ def test_autograd_and_compile(impl):
 
 
 def test_triton_head_dims_pad_to_powers_of_two():
-    """D = 20 runs in a 32-wide block (masked), D = 256 in 256, the smallest is tl.dot's 16."""
-    q = torch.empty(1, 1, 1, 20)
-    assert triton_impl.constants(q, triton_impl.FORWARD_TILE)["BLOCK_D"] == 32
-    assert triton_impl.constants(q[..., :1], triton_impl.FORWARD_TILE)["BLOCK_D"] == 16
-    assert (
-        triton_impl.constants(torch.empty(1, 1, 1, 256), triton_impl.FORWARD_TILE)["BLOCK_D"] == 256
+    """D = 20 runs in a 32-wide block (masked), D = 256 in 256, the smallest is tl.dot's 16; the
+    forward's tile follows the padded D and the dtype's width."""
+    assert [triton_impl.padded_head_dim(d) for d in (1, 16, 20, 80, 128, 256)] == [
+        16, 16, 32, 128, 128, 256,
+    ]  # fmt: skip
+    for dtype in DTYPES:
+        for head_dim in (8, 64, 80, 128, 200, 256):
+            tile = triton_impl.forward_tile(dtype, head_dim)
+            width = 4 if dtype == torch.float32 else 2
+            block_m, block_n, *_ = triton_impl.FORWARD_TILES[
+                (width, max(64, triton_impl.padded_head_dim(head_dim)))
+            ]
+            assert (tile["BLOCK_M"], tile["BLOCK_N"]) == (block_m, block_n)
+
+
+@pytest.mark.parametrize("head_dim", [80, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_head_dims_80_and_256(head_dim, causal):
+    """Head dimensions that are not 64 or 128: 80 (padded to 128, the columns past 80 masked or
+    zero-filled by the copy engine) and 256 (the largest), forward and backward."""
+    q, k, v, do = operands(1, 19, 23, 2, 1, head_dim, torch.bfloat16)
+    check_backward("triton", q, k, v, do, causal)
+
+
+# (S_q, S_k) around the interpreter's 16 x 16 tile: both multiples, neither, S_q above and below
+# S_k (the causal diagonal shifted both ways), and a short query block over many whole key tiles.
+SPLIT_LENGTHS = [(32, 32), (48, 32), (32, 48), (33, 47), (47, 33), (16, 64), (5, 70)]
+
+
+@pytest.mark.parametrize("path", ["tma", "pointers"])
+@pytest.mark.parametrize("lengths", SPLIT_LENGTHS, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_unmasked_and_masked_key_loops(path, lengths, causal):
+    """The forward's key loop in two parts, whole tiles without a mask and the tail/diagonal
+    with one, at lengths that are and are not multiples of the tile, through tensor
+    descriptors (D = 16, bf16: every stride a multiple of 16 bytes) and through pointers (D = 20,
+    fp16: a 40-byte head stride no descriptor can take)."""
+    dtype, head_dim = (torch.bfloat16, 16) if path == "tma" else (torch.float16, 20)
+    q, k, v, _ = operands(1, *lengths, 2, 1, head_dim, dtype)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, lengths[0], device=DEVICE)
+    plan = triton_impl.forward_plan(q, k, v, o, lse, causal, 1 / math.sqrt(head_dim))
+    assert plan.config["TMA"] == (path == "tma" and triton_impl.has_tma(q.device))
+    check_forward("triton", q, k, v, causal, o=o, lse=lse)
+
+
+def test_triton_cached_plan_still_validates():
+    """After a valid call caches its ForwardPlan, calls with the same shapes, strides and dtypes
+    are still refused when an output overlaps an input or causal is 1 instead of True."""
+    q, k, v, _ = operands(1, 9, 9, 2, 2, 16, torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 9, device=DEVICE)
+    triton_impl.attention_forward(q, k, v, True, None, o, lse)
+    with pytest.raises(ValueError, match="o overlaps k"):
+        triton_impl.attention_forward(q, k, v, True, None, k, lse)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        triton_impl.attention_forward(q, k, v, 1, None, o, lse)
+
+
+def sm90_forward_assembly(dtype_name, head_dim, causal):
+    """(PTX, TTGIR) of the forward kernel for Hopper (sm_90) with tensor descriptors, compiled
+    without a GPU (triton.compile for a GPUTarget); needs a process without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    tile = triton_impl.forward_tile(dtype, head_dim)
+    block_d = triton_impl.padded_head_dim(head_dim)
+    rows = [f"tensordesc<{dtype_name}[1, {tile[n]}, 1, {block_d}]>" for n in ("BLOCK_M", "BLOCK_N")]
+    kernel = triton_impl.attention_forward_kernel
+    constexprs = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "UPCAST": False,
+                  "TMA": True, "BLOCK_M": tile["BLOCK_M"], "BLOCK_N": tile["BLOCK_N"]}  # fmt: skip
+    kinds = [rows[0], rows[1], rows[1], rows[0], "*fp32", "i32", "i32", "i32", "i32", "fp32"]
+    signature = dict(zip(kernel.arg_names, kinds + ["i32"] * 14 + ["constexpr"] * 7, strict=True))
+    source = triton.compiler.ASTSource(
+        kernel, signature, constexprs, attrs={(4,): [["tt.divisibility", 16]]}
     )
+    options = {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"]}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ptx"], compiled.asm["ttgir"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_forward_uses_tma_and_wgmma_on_hopper(causal):
+    """Compiled for sm_90 (no GPU needed), the D = 128 bf16 forward loads through TMA
+    (cp.async.bulk.tensor), multiplies with wgmma, and has two key loops (unmasked, masked), each
+    with its two warpgroup products reading K and V from shared memory."""
+    path = str(HERE / "test.py")
+    script = (
+        "import importlib.util, json\n"
+        f"spec = importlib.util.spec_from_file_location('attention_test', {path!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        f"print(json.dumps(module.sm90_forward_assembly('bf16', 128, {causal})))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx, ttgir = json.loads(done.stdout.splitlines()[-1])
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    assert "cp.async.bulk.tensor.4d" in ptx
+    assert ttgir.count("scf.for") == 2 and ttgir.count("ttng.warp_group_dot ") == 4
 
 
 # (5) GPU-only sizes ---------------------------------------------------------------------------
@@ -413,6 +508,50 @@ def test_model_sizes_against_float64(impl, head_dim, causal):
     """B = 1, S = 1031 queries and 1024 keys, 8 query heads over 2 KV heads, bf16."""
     q, k, v, do = operands(1, 1031, 1024, 8, 2, head_dim, torch.bfloat16)
     check_backward(impl, q, k, v, do, causal)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="model sizes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("head_dim", [80, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_model_sizes_head_dims_80_and_256(head_dim, causal):
+    """The GPU tiles at D = 80 (padded to 128) and D = 256 (FORWARD_TILES's own entry), bf16."""
+    q, k, v, do = operands(1, 1031, 1024, 4, 2, head_dim, torch.bfloat16)
+    check_backward("triton", q, k, v, do, causal)
+
+
+def misaligned(t):
+    """A copy of t whose base sits one element past a 16-byte boundary: no TMA descriptor."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buffer[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU tiles (128 queries x 128 keys at D = 128)")
+@pytest.mark.parametrize("path", ["tma", "pointers"])
+@pytest.mark.parametrize(
+    "lengths", [(1024, 1024), (1000, 1100), (1100, 1000), (100, 4096)], ids=str
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_unmasked_and_masked_key_loops(path, lengths, causal):
+    """The key loop's split at the GPU tile: lengths that are multiples of 128 and not, the
+    causal diagonal shifted both ways, through descriptors and (misaligned copies) pointers."""
+    q, k, v, _ = operands(1, *lengths, 4, 2, 128, torch.bfloat16)
+    if path == "pointers":
+        q, k, v = (misaligned(t) for t in (q, k, v))
+    o, lse = torch.empty_like(q), torch.empty(1, 4, lengths[0], device=DEVICE)
+    plan = triton_impl.forward_plan(q, k, v, o, lse, causal, 1 / math.sqrt(128))
+    assert plan.config["TMA"] == (path == "tma")
+    check_forward("triton", q, k, v, causal, o=o, lse=lse)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the direct launch reuses a compiled GPU kernel")
+def test_direct_launch_matches_first_launch():
+    """The first call of a shape goes through the JIT and keeps the compiled kernel; the second
+    launches it directly: same bits."""
+    q, k, v, _ = operands(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    triton_impl.FORWARD_PLANS.clear()
+    runs = [triton_impl.attention(q, k, v, causal=True) for _ in range(2)]
+    assert all(plan.compiled is not None for plan in triton_impl.FORWARD_PLANS.values())
+    assert_same_bits(runs[0], runs[1], "direct launch")
 
 
 if __name__ == "__main__":

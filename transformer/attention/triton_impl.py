@@ -18,20 +18,39 @@ roundings.
 """
 
 import contextlib
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.compiler import CompiledKernel
+from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from reference import backward_outputs, check_operands, default_scale, forward_outputs
+from reference import (
+    backward_outputs,
+    check_no_overlap,
+    check_operands,
+    default_scale,
+    forward_outputs,
+    reach,
+)
 from torch_impl import model_plumbing
 
 LOG2E = 1.4426950408889634
-# Tiles: 128 queries x 64 keys holds a 128 x D float32 accumulator over 8 warps (D = 128: 64
-# registers a thread) beside the 128 x 64 scores; the backward's 64 x 64 tiles keep dK, dV (or
-# dQ) and two score-sized blocks live at once.
-FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# Forward tiles per head dimension (BLOCK_D, D padded to a power of two) and dtype width, as
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). 16-bit data on Hopper's wgmma: 128 queries over two
+# warpgroups; a 128 x BLOCK_D float32 accumulator costs BLOCK_D / 2 registers a thread, so up to
+# D = 128 the scores can be 128 keys wide and K, V triple-buffered; D = 256 halves the key tile
+# and double-buffers to stay inside 227 KB of shared memory (Q 64 KB + 2 x (K 32 KB + V 32 KB)).
+# float32 (IEEE, no tensor cores) keeps 4 warps and smaller tiles, as its operands are twice as
+# wide. README.md's tuning log has the predictions behind each entry.
+FORWARD_TILES = {
+    (2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3), (2, 256): (128, 64, 8, 2),
+    (4, 64): (64, 64, 4, 2), (4, 128): (64, 32, 4, 2), (4, 256): (32, 32, 4, 1),
+}  # fmt: skip
 BACKWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # interpreter
 DELTA_ROWS = 64
@@ -50,6 +69,25 @@ def load_block(ptr, rows, row_stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
+def load_tile(src, b, h, start, n_rows, stride_b, stride_s, stride_h, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, ROWS: tl.constexpr, UPCAST: tl.constexpr,
+              TMA: tl.constexpr):  # fmt: skip
+    """Rows start .. start + ROWS of head h in batch b of a (B, S, H, D) operand, [ROWS, BLOCK_D]:
+    through its tensor descriptor (one TMA copy into shared memory, rows past S and columns past
+    D filled with 0 by the copy engine) or through a pointer and masks."""
+    if TMA:
+        # TMA coordinates are 32-bit (B, S and H all fit); the pointer path needs 64-bit offsets.
+        block = src.load([b.to(tl.int32), start, h.to(tl.int32), 0]).reshape(ROWS, BLOCK_D)
+        if UPCAST:
+            block = block.to(tl.float32)
+    else:
+        rows = start + tl.arange(0, ROWS)
+        block = load_block(src + b * stride_b + h * stride_h, rows, stride_s, n_rows, HEAD_DIM,
+                           BLOCK_D, UPCAST)  # fmt: skip
+    return block
+
+
+@triton.jit
 def visible_keys(rows, cols, s_q, s_k, CAUSAL: tl.constexpr):
     """[rows, cols] mask: key inside S_k and, causal, j <= i + S_k - S_q."""
     seen = (cols[None, :] < s_k) & (rows[:, None] >= 0)
@@ -59,49 +97,82 @@ def visible_keys(rows, cols, s_q, s_k, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k,
+                        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                        stride_vh, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """One key tile into the running (acc, max, sum), in log2 units: exp(S) = exp2(qk qk_scale).
+    Only MASKED tiles (the tail past S_k, the causal diagonal) build the visibility mask."""
+    k = load_tile(k_src, b, g, start, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_D,
+                  BLOCK_N, UPCAST, TMA)  # fmt: skip
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if MASKED:
+        qk = tl.where(visible_keys(rows, start + tl.arange(0, BLOCK_N), s_q, s_k, CAUSAL), qk,
+                      float("-inf"))  # fmt: skip
+    # scale > 0, so the scaled max is the max of the scaled scores (rounding is monotone).
+    new_max = tl.maximum(row_max, tl.max(qk, axis=1) * qk_scale)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees nothing yet
+    p = tl.exp2(qk * qk_scale - shift[:, None])
+    rescale = tl.exp2(row_max - shift)
+    row_sum = row_sum * rescale + tl.sum(p, axis=1)
+    v = load_tile(v_src, b, g, start, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_D,
+                  BLOCK_N, UPCAST, TMA)  # fmt: skip
+    acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision="ieee")
+    return acc, new_max, row_sum
+
+
+@triton.jit
 def attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, heads, group, qk_scale,
+    q_src, k_src, v_src, o_dst, lse_ptr, s_q, s_k, heads, group, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
     stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_m, bh = tl.program_id(0), tl.program_id(1)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first, the short ones last
+        block_m = tl.num_programs(0) - 1 - block_m
     b, h = (bh // heads).to(tl.int64), bh % heads
     g = (h // group).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    keys = tl.arange(0, BLOCK_N)
-    q = load_block(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
-    k_base, v_base = k_ptr + b * stride_kb + g * stride_kh, v_ptr + b * stride_vb + g * stride_vh
+    first_row = block_m * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    q = load_tile(q_src, b, h, first_row, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D,
+                  BLOCK_M, UPCAST, TMA)  # fmt: skip
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys [0, full_end) are inside S_k and, causal, left of every row's diagonal: whole tiles
+    # without a mask. [full_end, end) is the tail past S_k's last whole tile and the diagonal.
+    full_end = s_k // BLOCK_N * BLOCK_N
     end = s_k
-    if CAUSAL:  # keys past the block's last row's diagonal are masked for every row
-        end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
-    for start in range(0, end, BLOCK_N):
-        cols = start + keys
-        k = load_block(k_base, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D, UPCAST)
-        scores = (
-            tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        )  # log2 units: exp(S) = exp2(scores)
-        scores = tl.where(visible_keys(rows, cols, s_q, s_k, CAUSAL), scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees nothing yet
-        rescale = tl.exp2(row_max - shift)
-        p = tl.exp2(scores - shift[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = load_block(v_base, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D, UPCAST)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+    if CAUSAL:  # row i sees j <= i + S_k - S_q: the first row bounds the unmasked part
+        diagonal = first_row + s_k - s_q
+        full_end = tl.minimum(full_end, tl.maximum(diagonal + 1, 0) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(s_k, tl.maximum(diagonal + BLOCK_M, 0))
+    for start in range(0, full_end, BLOCK_N):
+        acc, row_max, row_sum = online_softmax_step(
+            acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, False, CAUSAL,
+            HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA,
+        )  # fmt: skip
+    for start in range(full_end, end, BLOCK_N):
+        acc, row_max, row_sum = online_softmax_step(
+            acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, True, CAUSAL,
+            HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA,
+        )  # fmt: skip
     # A row that saw no key has a sum of 0: O = 0 and lse = -inf, as the definition says.
     inverse = tl.where(row_sum > 0, 1.0 / row_sum, 0.0)
     o = acc * inverse[:, None]
-    cols = tl.arange(0, BLOCK_D)
-    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_os + cols[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty),
-             mask=(rows[:, None] < s_q) & (cols[None, :] < HEAD_DIM))  # fmt: skip
+    if TMA:  # the copy engine drops the rows past S_q and the columns past D
+        o_tile = o.to(o_dst.dtype).reshape(1, BLOCK_M, 1, BLOCK_D)
+        o_dst.store([b.to(tl.int32), first_row, h.to(tl.int32), 0], o_tile)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        o_ptrs = o_dst + b * stride_ob + h * stride_oh + rows[:, None] * stride_os + cols[None, :]
+        tl.store(o_ptrs, o.to(o_dst.dtype.element_ty),
+                 mask=(rows[:, None] < s_q) & (cols[None, :] < HEAD_DIM))  # fmt: skip
     lse = (row_max + tl.log2(row_sum)) * 0.6931471805599453  # back to the natural log
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=rows < s_q)
 
@@ -256,31 +327,150 @@ def on_device_of(t):
     )
 
 
+def padded_head_dim(head_dim):
+    """D rounded up to a power of two, 16 at least (tl.dot's smallest)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def constants(q, tile):
     """The launch's compile-time choices: the tile (a small one under the interpreter), the head
-    dimension padded to a power of two (16 at least: tl.dot's smallest), the interpreter's
-    upcast of 16-bit values, and IEEE float32 for float32 data (no TF32)."""
+    dimension padded to a power of two, the interpreter's upcast of 16-bit values, and IEEE
+    float32 for float32 data (no TF32)."""
     head_dim = q.shape[3]
     tile = SMALL_TILE if INTERPRETED else tile
-    return {**tile, "HEAD_DIM": head_dim, "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+    return {**tile, "HEAD_DIM": head_dim, "BLOCK_D": padded_head_dim(head_dim),
             "UPCAST": INTERPRETED and q.dtype != torch.float32}  # fmt: skip
 
 
-def attention_forward(q, k, v, causal, scale, o, lse):
+def forward_tile(dtype, head_dim):
+    """FORWARD_TILES's entry for this dtype's width and D (64 and below share D = 64's)."""
+    block_m, block_n, warps, stages = FORWARD_TILES[
+        (dtype.itemsize if dtype != torch.float16 else 2, max(64, padded_head_dim(head_dim)))
+    ]
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+@functools.cache
+def has_tma(device):
+    """The interpreter emulates tensor descriptors; a GPU copies them with TMA from Hopper on."""
+    return INTERPRETED or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def describable(t):
+    """A TMA descriptor can address t: not empty, its base 16-byte aligned and every stride but
+    the head dimension's a multiple of 16 bytes (the copy engine's rules)."""
+    size = t.element_size()
+    return (t.numel() > 0 and t.data_ptr() % 16 == 0
+            and all(s * size % 16 == 0 for s in t.stride()[:3]))  # fmt: skip
+
+
+class CheckedDescriptor(TensorDescriptor):
+    """A TensorDescriptor whose copy-engine rules `describable` checked once, for its plan: the
+    per-call re-check in TensorDescriptor.__post_init__ costs more than the rest of the object."""
+
+    def __post_init__(self):
+        pass
+
+
+class ForwardPlan:
+    """Everything about a forward launch that `plan_key` fixes, computed once with the full
+    validation (check_operands): the grid, the scalar arguments, the compile-time constants, the
+    descriptors' shapes, the bytes each operand reaches, and (on a GPU, after the first launch)
+    the compiled kernel, which later calls launch directly instead of through the JIT's argument
+    binding. A later call of the key only checks what the key leaves out: overlaps."""
+
+    def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
+        batch, s_q, heads, head_dim = q.shape
+        self.config = {**constants(q, forward_tile(q.dtype, head_dim)), "TMA": use_tma}
+        block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
+        block_d = self.config["BLOCK_D"]
+        self.grid = (triton.cdiv(s_q, block_m), batch * heads, 1)
+        query_rows, key_rows = [1, block_m, 1, block_d], [1, block_n, 1, block_d]
+        blocks = (query_rows, key_rows, key_rows, query_rows)
+        self.layouts = [(list(t.shape), list(t.stride()), block)  # q, k, v, o's descriptors
+                        for t, block in zip((q, k, v, o), blocks, strict=True)]  # fmt: skip
+        self.reach = [reach(t) for t in (q, k, v, o, lse)]
+        self.scalars = (s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
+                        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                        *lse.stride()[:2])  # fmt: skip
+        self.constexprs = (causal, *(self.config[n] for n in CONSTEXPRS))
+        self.compiled = None
+
+    def check_overlaps(self, q, k, v, o, lse):
+        tensors = (q, k, v, o, lse)
+        ranges = [(name, (t.data_ptr(), t.data_ptr() + span))
+                  for name, t, span in zip(OPERANDS, tensors, self.reach, strict=True)]  # fmt: skip
+        check_no_overlap(ranges[:3], ranges[3:])
+
+    def operands(self, q, k, v, o):
+        if not self.config["TMA"]:
+            return q, k, v, o
+        return [
+            CheckedDescriptor(t, *layout)
+            for t, layout in zip((q, k, v, o), self.layouts, strict=True)
+        ]
+
+    def launch(self, q, k, v, o, lse):
+        args = (*self.operands(q, k, v, o), lse, *self.scalars)
+        if self.compiled is None:
+            launched = attention_forward_kernel[self.grid](
+                *args, **dict(zip(("CAUSAL", *CONSTEXPRS), self.constexprs, strict=True)),
+                num_warps=self.config["num_warps"], num_stages=self.config["num_stages"],
+            )  # fmt: skip
+            self.compiled = launched if isinstance(launched, CompiledKernel) else None
+            return
+        # What JITFunction.run does once it has bound the arguments (Triton 3.6).
+        kernel, args = self.compiled, (*args, *self.constexprs)
+        stream = driver.active.get_current_stream(q.get_device())
+        hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        metadata = kernel.launch_metadata(self.grid, stream, *args)
+        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, metadata, *hooks,
+                   *args)  # fmt: skip
+
+
+OPERANDS = ("q", "k", "v", "o", "lse")
+CONSTEXPRS = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "UPCAST", "TMA")
+FORWARD_PLANS = {}  # plan_key -> ForwardPlan, filled by calls that passed check_operands
+
+
+def plan_key(q, k, v, o, lse, causal, scale):
+    """All that check_operands and the launch read of the operands except their addresses: per
+    tensor its shape, strides, dtype, device and base alignment (Triton specialises pointers on
+    16 bytes); causal and scale with their types (True == 1 in a dict). None when an operand is
+    not a tensor or scale is unhashable: check_operands says which."""
+    try:
+        tensors = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                   for t in (q, k, v, o, lse)]  # fmt: skip
+        hash(scale)
+        return (causal, type(causal), scale, type(scale), *tensors)
+    except (AttributeError, TypeError):
+        return None
+
+
+def forward_plan(q, k, v, o, lse, causal, scale):
+    """The ForwardPlan of these operands: after the full validation on a key's first call, the
+    cached plan and an overlap check after."""
+    key = plan_key(q, k, v, o, lse, causal, scale)
+    plan = FORWARD_PLANS.get(key)
+    if plan is not None:
+        plan.check_overlaps(q, k, v, o, lse)
+        return plan
     check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
-    batch, s_q, heads, head_dim = q.shape
-    scale = default_scale(head_dim, scale)
     if o.numel() == 0:
-        return o, lse
-    config = constants(q, FORWARD_TILE)
-    grid = (triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)
-    with on_device_of(q):
-        attention_forward_kernel[grid](
-            q, k, v, o, lse, s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            lse.stride(0), lse.stride(1), CAUSAL=causal, **config,
-        )  # fmt: skip
+        return None
+    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, o))
+    scale_value = default_scale(q.shape[3], scale)
+    plan = ForwardPlan(q, k, v, o, lse, causal, scale_value, use_tma)
+    if key is not None:
+        FORWARD_PLANS[key] = plan
+    return plan
+
+
+def attention_forward(q, k, v, causal, scale, o, lse):
+    plan = forward_plan(q, k, v, o, lse, causal, scale)
+    if plan is not None:  # None: nothing to compute (no query, head, batch or a zero D)
+        with on_device_of(q):
+            plan.launch(q, k, v, o, lse)
     return o, lse
 
 
