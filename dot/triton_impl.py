@@ -102,7 +102,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 
