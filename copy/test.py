@@ -264,6 +264,45 @@ def test_triton_kernel_runs_in_a_fresh_interpreter():
         assert_same_bits(y, x, f"{dtype} y")
 
 
+# The sm_90 PTX of the Triton kernel, compiled (not interpreted) in a process without
+# TRITON_INTERPRET: the specialisations a GPU launch makes for a unit stride, 16-byte-aligned
+# pointers and n divisible by 16 or not.
+TRITON_PTX = """
+import json, re, triton, triton_impl
+from triton.backends.compiler import GPUTarget
+accesses = {}
+for n_divisible in (True, False):
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    if n_divisible:
+        attrs[(2,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(
+        triton_impl.copy_kernel,
+        {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "stride_x": "constexpr",
+         "stride_y": "constexpr", "BLOCK": "constexpr"},
+        {"stride_x": 1, "stride_y": 1, "BLOCK": triton_impl.BLOCK_BYTES // 4},
+        attrs=attrs,
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": triton_impl.NUM_WARPS})
+    accesses[str(n_divisible)] = sorted(set(re.findall(r"[ls][dt][.]global[.][a-z0-9.]+",
+                                                       kernel.asm["ptx"])))
+print(json.dumps(accesses))
+"""
+
+
+def test_triton_ptx_vectors_need_n_a_multiple_of_16():
+    """README.md's "triton_impl.py": unit strides give 128-bit loads and stores only when n is
+    a multiple of 16 as well; otherwise the mask makes every access one element."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_PTX], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    accesses = json.loads(child.stdout)
+    assert accesses["True"] == ["ld.global.v4.b32", "st.global.v4.b32"]
+    assert accesses["False"] == ["ld.global.b32", "st.global.b32"]
+
+
 # --- 4. CuTe: builds and PTX ---
 
 
