@@ -1,41 +1,16 @@
-"""axpby in the CuTe DSL: y = alpha*x + beta*y.
+"""axpby in the CuTe DSL: y = alpha*x + beta*y, in float32 registers, rounded once at the store.
 
-The math
---------
-    y_i = round_to_dtype( fl32( fl32(alpha32 * x_i) + fl32(beta32 * y_i) ) )   for i = 0 .. n-1
+The mapping is copy's over two operands (README.md's "cute_impl.py" section, with the ASCII map
+of the thread-value layout); the roundings and their bound are README.md's "The error bound".
+In this file, top to bottom:
 
-alpha and beta are rounded to float32 once, on the host (alpha32, beta32). Both elements are
-widened to float32 (exact), combined in float32 registers and rounded once, to nearest even,
-by the conversion back to the storage dtype before the store. The float32 products and sum
-round too, as the README's error bound accounts for; the compiler fuses alpha32*x_i and the
-add into one fma.rn.f32, which skips one of those roundings and so stays inside the bound.
-BLAS's corner semantics are compile-time variants of the one kernel: alpha32 == 0 means x is
-not loaded (y = beta*y), beta32 == 0 means y is not loaded (y = alpha*x), both zero store
-zeros without loading either, so NaN or infinity in an operand that is not read does not
-propagate. The kernel reads x and y and writes y, 3*n*s bytes (s = bytes per element); two
-multiplies and an add per element are nothing next to that: the time is bounded by
-3*n*s / (memory bandwidth).
-
-How the loop over i is mapped onto the GPU
-------------------------------------------
-* A block of 256 threads owns one tile of consecutive elements, 16 bytes per thread: 4 KiB per
-  block and operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
-* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
-  elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
-  elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
-  touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
-* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors (v = 4 float32
-  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, one per thread
-  and operand in flight. Anything else (a step other than 1, an address off the 16-byte grid, x
-  broadcast with step 0) compiles the very same kernel with v = 1: one element per instruction,
-  at any stride. Only the operands the variant touches count: x is never loaded when alpha == 0,
-  so its address does not matter then.
-* Every block but the last holds a full tile and updates it without a bounds check. The last
-  block may hang over the end of the vectors: it keeps the same thread-to-element map but moves
-  element by element, each guarded by a predicate (its coordinate, read from an identity tensor,
-  is < n), so any n works and nothing at or past index n is touched.
-* Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
-  integers, so every address computed from them is 64-bit.
+* `axpby_tile`, `in_bounds_mask`, `axpby_kernel`: one block updates one tile, loading only the
+  operands its build reads (alpha32 == 0: no x; beta32 == 0: no y); the last tile under a
+  predicate tensor.
+* `launch_axpby`: the thread-value layout, the copy atoms and the grid.
+* `placeholder`, `build`, `compile_kernel`, `ptx_of`: what `cute.compile` sees, the TVM-FFI
+  build cached per (dtype, vector width, read_x, read_y), and its sm_90a PTX for the tests.
+* `axpby`: the public function; rounds the scalars to float32 and picks the build.
 """
 
 import functools
@@ -52,9 +27,8 @@ from reference import check_operands, to_float32
 THREADS_PER_BLOCK = 256
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread moves per operand, and so the tile: measured on the H200 at n = 2**28,
-# 4 KiB tiles (one 16-byte vector per thread) beat 16 KiB tiles (four) by 4-5%, 4.27 against
-# 4.09 TB/s for copy: many small blocks keep every SM streaming and the last wave short.
+# Bytes each thread moves per operand: one vector, so 4 KiB tiles; many small blocks keep every
+# SM streaming and the last wave short (README.md, tuning log: 16 KiB tiles ran 4-5% slower).
 BYTES_PER_THREAD = VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {

@@ -5,8 +5,10 @@ Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its
 launching it needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +44,8 @@ try:
     import cute_impl
 except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+# --- 1. Set-up and the bound model: README.md's forward error bound as code ---
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -102,6 +106,30 @@ def check(impl, alpha, x, beta, y):
     result = implementation(impl)(alpha, x, beta, y)
     assert result is y
     assert_within_bound(y, exact, bound, f"{impl} alpha={alpha} beta={beta}")
+
+
+def test_negative_controls():
+    """The bound rejects an element read from its neighbour, and it is tight enough to reject
+    one extra rounding in bfloat16: beta*y stored in y's dtype before the add, as eager torch
+    does on 16-bit tensors."""
+    n, alpha, beta = 10000, 0.3, -1.7
+    x, y = random_vector(n, torch.bfloat16).cpu(), random_vector(n, torch.bfloat16).cpu()
+    # Elements 500 and 501 far apart (-1.4 and 1.4): with random values they were sometimes
+    # within the bound of each other, and the neighbour control passed.
+    x[500], y[500], x[501], y[501] = 1.0, 1.0, -1.0, -1.0
+    exact = reference.axpby(alpha, x, beta, y)
+    fused_bound = error_bound(alpha, x, beta, y, exact)
+    neighbour = exact.to(torch.bfloat16)
+    neighbour[500] = neighbour[501]
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within_bound(neighbour, exact, fused_bound)
+    beta_y_stored = (beta * y.float()).bfloat16().float()
+    rounded_twice = (reference.to_float32(alpha) * x.float() + beta_y_stored).bfloat16()
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within_bound(rounded_twice, exact, fused_bound)
+
+
+# --- 2. The contract, over every implementation ---
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -273,25 +301,51 @@ def test_overlap_against_brute_force():
     assert seen == {"none", "same", "partial"}
 
 
-def test_negative_controls():
-    """The bound rejects an element read from its neighbour, and it is tight enough to reject
-    one extra rounding in bfloat16: beta*y stored in y's dtype before the add, as eager torch
-    does on 16-bit tensors."""
-    n, alpha, beta = 10000, 0.3, -1.7
-    x, y = random_vector(n, torch.bfloat16).cpu(), random_vector(n, torch.bfloat16).cpu()
-    # Elements 500 and 501 far apart (-1.4 and 1.4): with random values they were sometimes
-    # within the bound of each other, and the neighbour control passed.
-    x[500], y[500], x[501], y[501] = 1.0, 1.0, -1.0, -1.0
-    exact = reference.axpby(alpha, x, beta, y)
-    fused_bound = error_bound(alpha, x, beta, y, exact)
-    neighbour = exact.to(torch.bfloat16)
-    neighbour[500] = neighbour[501]
-    with pytest.raises(AssertionError, match="outside the bound"):
-        assert_within_bound(neighbour, exact, fused_bound)
-    beta_y_stored = (beta * y.float()).bfloat16().float()
-    rounded_twice = (reference.to_float32(alpha) * x.float() + beta_y_stored).bfloat16()
-    with pytest.raises(AssertionError, match="outside the bound"):
-        assert_within_bound(rounded_twice, exact, fused_bound)
+# --- 3. Triton-specific: the kernel outside test.py ---
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = {}
+for dtype in (torch.bfloat16, torch.float32):
+    x, y = torch.randn(2, 5000).to(dtype)
+    call = {"x": x.tolist(), "y": y.tolist()}
+    call["alpha x + beta y"] = triton_impl.axpby(0.3, x, -1.7, y).tolist()
+    calls[str(dtype)] = call
+print(json.dumps(calls))
+"""
+
+
+def test_triton_kernel_runs_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included, no test.py, no common/) runs the kernel on CPU tensors, bfloat16 and float32,
+    inside README.md's bound: the README's laptop command works."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_CALL], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    for dtype, call in json.loads(child.stdout).items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        x, y, result = (torch.tensor(call[k], dtype=dtype) for k in ("x", "y", "alpha x + beta y"))
+        exact = reference.axpby(0.3, x, -1.7, y)
+        assert_within_bound(result, exact, error_bound(0.3, x, -1.7, y, exact), f"{dtype}")
+
+
+# --- 4. CuTe: builds and PTX ---
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+# --- 5. GPU only: CUDA graphs and sizes past 2**31 ---
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -329,15 +383,6 @@ def test_more_than_2_to_31_elements(impl):
     expected = (0.5 * x.float() + 2.0 * y.float()).bfloat16()
     implementation(impl)(0.5, x, 2.0, y)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
-
-
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(dtype):
-    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
-    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
-    assert "ld.global.v4" in vector and "st.global.v4" in vector
-    assert "ld.global.v4" not in scalar
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """axpby: y = alpha*x + beta*y as a Triton kernel.
 
-The same shape as copy's kernel: program `pid` of a 1-D grid owns BLOCK consecutive elements of
-both vectors, and a mask turns off the lanes past n. x and y are widened to float32, combined in
-float32 registers (alpha and beta arrive as float32 arguments) and rounded once at the store:
-3n elements of traffic, the minimum. Which operands are read is decided at compile time
-(READ_X = alpha32 != 0, READ_Y = beta32 != 0, on the scalars rounded to float32 as the
-definition has them), so BLAS's "not read" is literally no load.
+README.md's "triton_impl.py" section explains the mapping (copy's, over two operands) and "The
+error bound" the roundings. In this file: `axpby_kernel` (one program updates one block of BLOCK
+elements in float32, masked past n; READ_X and READ_Y are compile-time, so BLAS's "not read" is
+no load), `patch_triton_interpreter` (lets the kernel run on CPU tensors under
+TRITON_INTERPRET=1), `on_device_of` and the launcher `axpby`.
 """
 
 import contextlib
@@ -17,9 +16,8 @@ import triton.language as tl
 
 from reference import check_operands, to_float32
 
-# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread. Measured on the
-# H200 at n = 2**28: 4 KiB programs beat 16 KiB ones by 4-5% (4.26 against 4.06 TB/s for copy),
-# since many small programs keep every SM streaming and leave a shorter last wave.
+# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread; many small programs
+# keep every SM streaming and leave a short last wave (README.md, tuning log: 16 KiB ran slower).
 BLOCK_BYTES = 4096
 NUM_WARPS = 8
 
@@ -60,7 +58,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 

@@ -1,32 +1,14 @@
-"""copy in the CuTe DSL: y = x.
+"""copy in the CuTe DSL: y = x, bit for bit.
 
-The math
---------
-    y_i = x_i        for i = 0 .. n-1
+The mapping (tiles, the thread-value layout with its ASCII map, the predicated last tile, the
+two builds) is README.md's "cute_impl.py" section. In this file, top to bottom:
 
-Nothing is computed and nothing is rounded, so y must equal x bit for bit. The kernel reads
-n*s bytes and writes n*s bytes (s = bytes per element); no arithmetic hides that traffic, so
-the time can never beat 2*n*s / (memory bandwidth). The lesson is how to move bytes at that
-speed, and how CuTe says "which thread moves which element" with layouts.
-
-How the loop over i is mapped onto the GPU
-------------------------------------------
-* A block of 256 threads owns one tile of consecutive elements, 16 bytes per thread: 4 KiB per
-  operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
-* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
-  elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
-  elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
-  touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
-* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors (v = 4 float32
-  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, one per thread
-  and operand in flight. Anything else (a step other than 1, an odd address, x broadcast with
-  step 0) compiles the very same kernel with v = 1: one element per instruction, at any stride.
-* Every block but the last holds a full tile and copies it without a bounds check. The last
-  block may hang over the end of the vector: it keeps the same thread-to-element map but copies
-  element by element, each guarded by a predicate (its coordinate, read from an identity tensor,
-  is < n), so any n works and nothing at or past index n is touched.
-* Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
-  integers, so every address computed from them is 64-bit.
+* `copy_tile`, `in_bounds_mask`, `copy_kernel`: one block moves one tile; the last one under a
+  predicate tensor.
+* `launch_copy`: the thread-value layout, the copy atoms and the grid.
+* `placeholder`, `build`, `compile_kernel`, `ptx_of`: what `cute.compile` sees, the TVM-FFI
+  build cached per (dtype, vector width), and its sm_90a PTX for the tests.
+* `copy`: the public function; picks the vector or the any-stride build.
 """
 
 import functools
@@ -43,9 +25,8 @@ from reference import check_operands
 THREADS_PER_BLOCK = 256
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread moves per operand, and so the tile: measured on the H200 at n = 2**28,
-# 4 KiB tiles (one 16-byte vector per thread) beat 16 KiB tiles (four) by 4-5%, 4.27 against
-# 4.09 TB/s for copy: many small blocks keep every SM streaming and the last wave short.
+# Bytes each thread moves per operand: one vector, so 4 KiB tiles; many small blocks keep every
+# SM streaming and the last wave short (README.md, tuning log: 16 KiB tiles ran 4-5% slower).
 BYTES_PER_THREAD = VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {

@@ -5,8 +5,10 @@ Triton under its interpreter, and the CuTe kernels are compiled for sm_90a and t
 launching them needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +37,8 @@ try:
     import cute_impl
 except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+# --- 1. Set-up and the bound model: bitwise equality (README.md, "The error bound") ---
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -81,6 +85,21 @@ def poisoned(n, dtype, step=1, margin=64):
     """A view of n elements inside a buffer filled with NaN, for catching stray writes."""
     buffer = torch.full((2 * margin + n * step,), float("nan"), device=DEVICE, dtype=dtype)
     return buffer, buffer[margin : margin + n * step : step]
+
+
+def test_negative_control():
+    """The bitwise check rejects a copy that read one element from its neighbour."""
+    x = random_vector(1000, torch.bfloat16)
+    # Elements 500 and 501 apart: two of random_vector's bfloat16 values were equal in 18 of
+    # 20000 draws, and then the copy of the neighbour could not be told from the element.
+    x[500], x[501] = 1.0, -1.0
+    wrong = x.clone()
+    wrong[500] = x[501]
+    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
+        assert_same_bits(wrong, x)
+
+
+# --- 2. The contract, over every implementation ---
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -216,16 +235,87 @@ def test_overlap_against_brute_force():
     assert seen == {"none", "same", "partial"}
 
 
-def test_negative_control():
-    """The bitwise check rejects a copy that read one element from its neighbour."""
-    x = random_vector(1000, torch.bfloat16)
-    # Elements 500 and 501 apart: two of random_vector's bfloat16 values were equal in 18 of
-    # 20000 draws, and then the copy of the neighbour could not be told from the element.
-    x[500], x[501] = 1.0, -1.0
-    wrong = x.clone()
-    wrong[500] = x[501]
-    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
-        assert_same_bits(wrong, x)
+# --- 3. Triton-specific: the kernel outside test.py ---
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = {}
+for dtype in (torch.bfloat16, torch.float32):
+    x = torch.randn(5000).to(dtype)
+    calls[str(dtype)] = {"x": x.tolist(), "y": triton_impl.copy(x, torch.empty_like(x)).tolist()}
+print(json.dumps(calls))
+"""
+
+
+def test_triton_kernel_runs_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included, no test.py, no common/) runs the kernel on CPU tensors, bfloat16 and float32,
+    and gets the bits of x: the README's laptop command works."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_CALL], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    for dtype, call in json.loads(child.stdout).items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        x, y = (torch.tensor(call[name], dtype=dtype) for name in ("x", "y"))
+        assert_same_bits(y, x, f"{dtype} y")
+
+
+# The sm_90 PTX of the Triton kernel, compiled (not interpreted) in a process without
+# TRITON_INTERPRET: the specialisations a GPU launch makes for a unit stride, 16-byte-aligned
+# pointers and n divisible by 16 or not.
+TRITON_PTX = """
+import json, re, triton, triton_impl
+from triton.backends.compiler import GPUTarget
+accesses = {}
+for n_divisible in (True, False):
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    if n_divisible:
+        attrs[(2,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(
+        triton_impl.copy_kernel,
+        {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "stride_x": "constexpr",
+         "stride_y": "constexpr", "BLOCK": "constexpr"},
+        {"stride_x": 1, "stride_y": 1, "BLOCK": triton_impl.BLOCK_BYTES // 4},
+        attrs=attrs,
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": triton_impl.NUM_WARPS})
+    accesses[str(n_divisible)] = sorted(set(re.findall(r"[ls][dt][.]global[.][a-z0-9.]+",
+                                                       kernel.asm["ptx"])))
+print(json.dumps(accesses))
+"""
+
+
+def test_triton_ptx_vectors_need_n_a_multiple_of_16():
+    """README.md's "triton_impl.py": unit strides give 128-bit loads and stores only when n is
+    a multiple of 16 as well; otherwise the mask makes every access one element."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_PTX], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    accesses = json.loads(child.stdout)
+    assert accesses["True"] == ["ld.global.v4.b32", "st.global.v4.b32"]
+    assert accesses["False"] == ["ld.global.b32", "st.global.b32"]
+
+
+# --- 4. CuTe: builds and PTX ---
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+# --- 5. GPU only: CUDA graphs and sizes past 2**31 ---
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -261,15 +351,6 @@ def test_more_than_2_to_31_elements(impl):
     y = torch.full_like(x, float("nan"))
     copy(x, y)
     assert torch.equal(y.view(torch.int16), x.view(torch.int16))
-
-
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(dtype):
-    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
-    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
-    assert "ld.global.v4" in vector and "st.global.v4" in vector
-    assert "ld.global.v4" not in scalar
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """copy: y = x as a Triton kernel.
 
-The vector is cut into blocks of BLOCK consecutive elements; program `pid` of a 1-D grid moves
-block pid. Inside a program, `tl.arange` gives every thread a few consecutive elements, so a
-contiguous block is read and written with 16-byte vector instructions, and a mask switches off
-the lanes past n in the last block: no element outside the vector is read or written.
+README.md's "triton_impl.py" section explains the mapping. In this file: `copy_kernel` (one
+program moves one block of BLOCK elements, masked past n), `patch_triton_interpreter` (lets the
+kernel run on CPU tensors under TRITON_INTERPRET=1), `on_device_of` and the launcher `copy`.
 """
 
 import contextlib
@@ -15,9 +14,8 @@ import triton.language as tl
 
 from reference import check_operands
 
-# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread. Measured on the
-# H200 at n = 2**28: 4 KiB programs beat 16 KiB ones by 4-5% (4.26 against 4.06 TB/s for copy),
-# since many small programs keep every SM streaming and leave a shorter last wave.
+# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread; many small programs
+# keep every SM streaming and leave a short last wave (README.md, tuning log: 16 KiB ran slower).
 BLOCK_BYTES = 4096
 NUM_WARPS = 8
 
@@ -45,7 +43,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 

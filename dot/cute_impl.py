@@ -1,54 +1,19 @@
 """dot in the CuTe DSL: z = x^T y as two kernels with a fixed reduction tree.
 
-The math
---------
-    z = sum_{i=0}^{n-1} x_i y_i
+README.md's "cute_impl.py" section explains the tree (a thread's lanes, a warp's shuffles, the
+warps through shared memory) and the thread-value layout with its ASCII map; "The error bound"
+counts the roundings on a product's way through it. In this file, top to bottom:
 
-Each x_i and y_i is widened to float32 (exact), multiplied and added in float32, and the float32
-total is rounded once to the inputs' dtype. Floating-point addition is not associative, so the
-order of the additions is part of the answer: here it is fixed by n alone (no atomics, nothing
-that depends on which block finishes first or on the device), so every run gives the same
-bits, and README.md can count the roundings on each product's way to z. The kernels read
-2*n*s bytes (s = bytes per element) and write one number: the time is bounded by
-2*n*s / (memory bandwidth), as for copy.
-
-How the sum is mapped onto the GPU
-----------------------------------
-The vector is cut into tiles of TILE_ELEMS = 4096 elements, and the tiles into chunks of
-`tiles_per_block` consecutive tiles, one chunk per block (`split`). A block has 256 threads.
-
-pass 1  `partial_dots_kernel`, one block per chunk, at most MAX_BLOCKS blocks:
-  * registers: thread t owns the same 16 positions of every tile (its lanes) and keeps one
-    float32 running sum per lane. For each tile of its chunk it loads its 16 elements of x and
-    of y and adds x_i * y_i into the lane's sum (one FMA per element, 16 independent chains).
-  * in-thread tree: the 16 lane sums are added in pairs, 16 -> 8 -> 4 -> 2 -> 1 (4 levels).
-  * warp tree: the 32 threads of a warp swap registers with shuffles, shfl.sync.bfly with
-    offsets 16, 8, 4, 2, 1 (5 levels): after level j each thread holds the sum of a group of
-    2**j threads, and after the last every thread holds the warp's sum.
-  * block tree: registers are private to a warp, so the 8 warp sums meet in shared memory;
-    after a barrier each warp reads them back and adds them with 3 more shuffle levels.
-  * thread 0 stores the block's sum, partials[block], in a float32 buffer.
-pass 2  `sum_partials_kernel`, one block: thread t adds partials t, t + 256, ... in order (at
-  most ceil(528 / 256) = 3 of them), then the same warp and block trees; thread 0 rounds the
-  float32 total to the dtype and stores z.
-
-Which thread loads which element is a thread-value (TV) layout, as in copy/cute_impl.py:
-thread t owns v adjacent elements (v = 16 bytes / element size: 4 float32 or 8 float16 and
-bfloat16 elements) in each row of 256 * v elements, so on each load instruction the 32 threads
-of a warp touch 32 adjacent 16-byte vectors, one contiguous run of memory. A tile holds
-16 / v such rows: 4 vectors per thread and operand for float32, 2 for 16-bit data, all loaded
-before the first FMA, so that 8 or 4 loads per thread are in flight at once.
-
-* Contiguous operands whose addresses are 16-byte aligned are loaded as 16-byte vectors (one
-  ld.global.v4 each). Anything else (a step other than 1, an odd address, stride 0) compiles
-  the same kernel with 1-element accesses. The TV layout is the same in both builds, so lane
-  j of thread t sums the same elements and the result has the same bits whatever the strides.
-* Every tile but the vector's last is loaded without a bounds check. The last tile, when
-  partial, keeps the same layout but loads element by element, each under a predicate (its
-  index, read from an identity tensor, is < n); registers it does not load hold 0 and add
-  nothing (x + 0 is exact).
-* Indices reach 2**31 and beyond: n, the strides and the tile index are 64-bit integers, so
-  every address computed from them is 64-bit.
+* `pairwise_sum`, `butterfly_sum`, `block_sum`: the reduction building blocks (one name and one
+  shape in every folder that uses them).
+* `add_products`, `in_bounds_mask`, `partial_dots_kernel` (pass 1): a block sums its chunk of
+  tiles into LANES_PER_THREAD lanes per thread and folds them into partials[block];
+  `sum_partials_kernel` (pass 2): folds the partials into z.
+* `launch_dot`: the thread-value layout, the copy atoms and the two launches.
+* `split`, `roundings`: the tree's shape for n, and the bound's rounding count k_cute(n).
+* `placeholder`, `build`, `compile_kernel`, `ptx_of`: what `cute.compile` sees, the TVM-FFI
+  build cached per (dtype, vector width), and its sm_90a PTX for the tests.
+* `dot`: the public function.
 """
 
 import functools
@@ -255,6 +220,20 @@ def split(n):
     tiles = -(-n // TILE_ELEMS)
     tiles_per_block = -(-tiles // min(tiles, MAX_BLOCKS))
     return -(-tiles // tiles_per_block), tiles_per_block
+
+
+def roundings(n, dtype):
+    """README.md's k_cute(n) for n > 0: the most float32 roundings on one product's way to z
+    through this file's tree, which the error bound needs. One for the product of two float32
+    numbers (16-bit products are exact in float32), one per further tile added into a lane,
+    log2(LANES_PER_THREAD) levels of pairwise_sum, block_sum's levels (the warp's shuffles, then
+    across the warps); in pass 2 one per further partial a thread adds, then block_sum again."""
+    blocks, tiles_per_block = split(n)
+    product = 1 if dtype == torch.float32 else 0
+    block_tree = int(math.log2(THREADS_PER_BLOCK))  # log2(WARP_SIZE) + log2(WARPS_PER_BLOCK)
+    pass_1 = (tiles_per_block - 1) + int(math.log2(LANES_PER_THREAD)) + block_tree
+    pass_2 = (-(-blocks // THREADS_PER_BLOCK) - 1) + block_tree
+    return product + pass_1 + pass_2
 
 
 def placeholder(dtype, length, vector_elems):

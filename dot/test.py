@@ -5,8 +5,9 @@ and Triton under its interpreter; launching a CuTe kernel needs the GPU, and tho
 when they skip.
 """
 
-import math
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ try:
 except ImportError as error:  # no cute_impl.py yet, or no CuTe DSL: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"cute_impl cannot be imported ({error})"
 
+# --- 1. Set-up and the bound model: README.md's forward error bound as code ---
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
@@ -71,48 +74,19 @@ def random_vector(n, dtype, step=1):
     return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
 
 
-def triton_roundings(n, dtype):
-    """README.md's k(n): the most roundings on one product's way through triton_impl's tree.
-
-    One for the product of two float32 numbers (none for 16-bit data, whose products are exact
-    in float32), one per further block added into a lane, log2(BLOCK) levels of the in-program
-    tree and ceil(log2(programs)) levels of pass 2. Read from triton_impl at each call, so a
-    test that changes MAX_PROGRAMS gets the bound of the tree it runs."""
-    blocks = math.ceil(n / triton_impl.BLOCK)
-    blocks_per_program = math.ceil(blocks / min(blocks, triton_impl.MAX_PROGRAMS))
-    programs = math.ceil(blocks / blocks_per_program)
-    product = 1 if dtype == torch.float32 else 0
-    tree = int(math.log2(triton_impl.BLOCK)) + math.ceil(math.log2(programs))
-    return product + (blocks_per_program - 1) + tree
-
-
-def cute_roundings(n, dtype):
-    """README.md's k_cute(n): the most roundings on one product's way through cute_impl's tree.
-
-    One for the product of two float32 numbers (none for 16-bit data), one per further tile
-    added into a thread's lane, log2(LANES_PER_THREAD) levels inside the thread, log2(32)
-    shuffle levels and log2(WARPS_PER_BLOCK) across the warps; in pass 2 one per further
-    partial added by a thread, then the same shuffle and cross-warp levels again."""
-    blocks, tiles_per_block = cute_impl.split(n)
-    product = 1 if dtype == torch.float32 else 0
-    block_tree = int(math.log2(cute_impl.WARP_SIZE * cute_impl.WARPS_PER_BLOCK))
-    pass_1 = (tiles_per_block - 1) + int(math.log2(cute_impl.LANES_PER_THREAD)) + block_tree
-    pass_2 = (math.ceil(blocks / cute_impl.THREADS_PER_BLOCK) - 1) + block_tree
-    return product + pass_1 + pass_2
-
-
 def error_bound(impl, x, y, exact):
     """README.md's bound, |z_hat - z| <= u_s|z| + (1 + u_s)(g T + (1 + g) n e) + e_s.
 
     g = gamma_k of float32 with k roundings per term, T = sum |x_i y_i|, u_s the store's unit
     roundoff (0 for float32), e and e_s the absolute error of a float32 and of a storing
-    rounding among the subnormals. k is triton_roundings for the Triton kernel; torch.dot adds
-    in the BLAS's own undocumented order, so for it only what holds for every order of float32
-    additions: a product rounding and at most n - 1 additions per term, k = n. For the CuTe
-    kernel k is cute_roundings, counted on its own tree."""
+    rounding among the subnormals. k is what each kernel's file exports beside the code that
+    fixes its tree (`roundings(n, dtype)`), read at each call, so a test that changes
+    MAX_PROGRAMS gets the bound of the tree it runs; torch.dot adds in the BLAS's own
+    undocumented order, so for it only what holds for every order of float32 additions: a
+    product rounding and at most n - 1 additions per term, k = n."""
     n, dtype = x.numel(), x.dtype
-    tree_roundings = cute_roundings if impl == "cute" else triton_roundings
-    g = gamma(n if impl == "torch" else tree_roundings(n, dtype), U32) if n else 0.0
+    kernels = {"triton": triton_impl, "cute": cute_impl}
+    g = gamma(n if impl == "torch" else kernels[impl].roundings(n, dtype), U32) if n else 0.0
     total = (x.cpu().double() * y.cpu().double()).abs().sum()  # products are exact in float64
     u_s, e, e_s = store_roundoff(dtype), underflow(torch.float32), underflow(dtype)
     return u_s * exact.abs() + (1 + u_s) * (g * total + (1 + g) * n * e) + e_s
@@ -132,28 +106,58 @@ def check(impl, x, y):
     return z
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_controls(dtype):
+    """At n = 2**20 the Triton bound rejects a result that dropped or doubled one term (the
+    largest, so that the bug is bigger than the rounding it hides in), which the serial bound
+    gamma_n, the only one torch.dot's unknown order allows, would let through."""
+    n = 2**20
+    x, y = random_vector(n, dtype).cpu(), random_vector(n, dtype).cpu()
+    # One term of 256: with every value random the largest term (about 20) hid in the bfloat16
+    # rounding of a sum near 2**11 (a step of 16) in about 3 of 200 draws.
+    x[0], y[0] = 16.0, 16.0
+    exact = reference.dot(x, y)
+    largest = (x.double() * y.double()).abs().argmax()
+    term = x[largest].double() * y[largest].double()
+    tree_bound, serial_bound = error_bound("triton", x, y, exact), error_bound("torch", x, y, exact)
+    for wrong in (exact - term, exact + term):
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within(wrong.to(dtype), exact, tree_bound)
+        assert_within(wrong.to(dtype), exact, serial_bound)
+
+
+def test_tree_bound_is_far_below_serial():
+    """k(n) grows like n / (MAX_PROGRAMS * BLOCK) instead of n: at 2**28 float32 elements the
+    serial bound is void (n u >= 1) while the tree's k is 270."""
+    for n in [2**20, 2**24, 2**28, 2**31 + 5]:
+        assert triton_impl.roundings(n, torch.float32) < n / 1000
+    assert triton_impl.roundings(2**28, torch.float32) == 1 + 248 + 11 + 10
+    assert gamma(triton_impl.roundings(2**28, torch.float32), U32) < 2e-5
+    with pytest.raises(ValueError, match="unbounded"):
+        gamma(2**28, U32)  # the serial bound
+
+
+# README.md's tables of k: (n, Triton's k, CuTe's k) for float32.
+README_ROUNDINGS = [(4097, 14, 21), (2**20, 21, 21), (2**24, 36, 29), (2**28, 270, 147),
+                    (2**31 + 5, 2007, 1015)]  # fmt: skip
+
+
+def test_readme_tables_match_the_exported_counts():
+    """The k columns of README.md's tables are what the kernels' files export."""
+    for n, triton_k, cute_k in README_ROUNDINGS:
+        assert triton_impl.roundings(n, torch.float32) == triton_k, n
+        if cute_impl is not None:
+            assert cute_impl.roundings(n, torch.float32) == cute_k, n
+
+
+# --- 2. The contract, over every implementation ---
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_matches_reference(impl, dtype, n):
     check(impl, random_vector(n, dtype), random_vector(n, dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [3 * 4096 - 1, 3 * 4096 + 1, 7 * 4096 + 5, 40000])
-def test_many_blocks_per_program(dtype, n, monkeypatch):
-    """With at most 3 programs, each lane adds up to 4 blocks in series: the path the H200
-    takes for n beyond MAX_PROGRAMS * BLOCK (2.2 million), at sizes the interpreter can run."""
-    monkeypatch.setattr(triton_impl, "MAX_PROGRAMS", 3)
-    check("triton", random_vector(n, dtype), random_vector(n, dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_more_blocks_than_max_programs(dtype):
-    """The real MAX_PROGRAMS, one element past what it covers with a block each: two blocks per
-    program and a pass 2 over 265 partials."""
-    n = triton_impl.MAX_PROGRAMS * triton_impl.BLOCK + 1
-    check("triton", random_vector(n, dtype), random_vector(n, dtype))
 
 
 def operand(n, dtype, step, margin=64):
@@ -232,37 +236,6 @@ def test_repeatability(impl, dtype):
     assert_same_bits(dot(x, y).reshape(1), dot(x, y).reshape(1))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cuda_graph_replays_the_eager_call(impl, dtype):
-    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
-    with the bits of an eager call: the launcher works on the stream torch has current and does
-    nothing outside it that a capture would miss. The captured call allocates its partials and
-    z from the graph's memory pool, and every replay writes the same z."""
-    dot = implementation(impl)
-    x, y = random_vector(65537, dtype), random_vector(65537, dtype)
-    dot(x, y)  # the first call compiles and loads the kernels, which a capture cannot
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = dot(x, y)
-    x.copy_(random_vector(65537, dtype))
-    y.copy_(random_vector(65537, dtype))
-    replayed.fill_(float("nan"))
-    graph.replay()
-    eager = dot(x, y)
-    torch.cuda.synchronize()
-    assert_same_bits(replayed.reshape(1), eager.reshape(1))
-
-
-def test_empty_launches_nothing(monkeypatch):
-    """n = 0 returns the empty sum without touching either kernel."""
-    monkeypatch.setattr(triton_impl, "partial_dots_kernel", None)
-    monkeypatch.setattr(triton_impl, "sum_partials_kernel", None)
-    empty = torch.empty(0, device=DEVICE, dtype=torch.bfloat16)
-    assert_same_bits(triton_impl.dot(empty, empty), torch.zeros((), dtype=torch.bfloat16))
-
-
 def bad_inputs():
     """(x, y, expected error, words the message must contain)"""
     f32 = lambda n: torch.randn(n, device=DEVICE)  # noqa: E731
@@ -287,35 +260,63 @@ def test_bad_input_raises_before_launch(impl, case):
         entry_point(impl)(x, y)
 
 
+# --- 3. Triton-specific: the tree's shapes, the empty call, the kernel outside test.py ---
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_negative_controls(dtype):
-    """At n = 2**20 the Triton bound rejects a result that dropped or doubled one term (the
-    largest, so that the bug is bigger than the rounding it hides in), which the serial bound
-    gamma_n, the only one torch.dot's unknown order allows, would let through."""
-    n = 2**20
-    x, y = random_vector(n, dtype).cpu(), random_vector(n, dtype).cpu()
-    # One term of 256: with every value random the largest term (about 20) hid in the bfloat16
-    # rounding of a sum near 2**11 (a step of 16) in about 3 of 200 draws.
-    x[0], y[0] = 16.0, 16.0
-    exact = reference.dot(x, y)
-    largest = (x.double() * y.double()).abs().argmax()
-    term = x[largest].double() * y[largest].double()
-    tree_bound, serial_bound = error_bound("triton", x, y, exact), error_bound("torch", x, y, exact)
-    for wrong in (exact - term, exact + term):
-        with pytest.raises(AssertionError, match="outside the bound"):
-            assert_within(wrong.to(dtype), exact, tree_bound)
-        assert_within(wrong.to(dtype), exact, serial_bound)
+@pytest.mark.parametrize("n", [3 * 4096 - 1, 3 * 4096 + 1, 7 * 4096 + 5, 40000])
+def test_many_blocks_per_program(dtype, n, monkeypatch):
+    """With at most 3 programs, each lane adds up to 4 blocks in series: the path the H200
+    takes for n beyond MAX_PROGRAMS * BLOCK (2.2 million), at sizes the interpreter can run."""
+    monkeypatch.setattr(triton_impl, "MAX_PROGRAMS", 3)
+    check("triton", random_vector(n, dtype), random_vector(n, dtype))
 
 
-def test_tree_bound_is_far_below_serial():
-    """k(n) grows like n / (MAX_PROGRAMS * BLOCK) instead of n: at 2**28 float32 elements the
-    serial bound is void (n u >= 1) while the tree's k is 270."""
-    for n in [2**20, 2**24, 2**28, 2**31 + 5]:
-        assert triton_roundings(n, torch.float32) < n / 1000
-    assert triton_roundings(2**28, torch.float32) == 1 + 248 + 11 + 10
-    assert gamma(triton_roundings(2**28, torch.float32), U32) < 2e-5
-    with pytest.raises(ValueError, match="unbounded"):
-        gamma(2**28, U32)  # the serial bound
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_more_blocks_than_max_programs(dtype):
+    """The real MAX_PROGRAMS, one element past what it covers with a block each: two blocks per
+    program and a pass 2 over 265 partials."""
+    n = triton_impl.MAX_PROGRAMS * triton_impl.BLOCK + 1
+    check("triton", random_vector(n, dtype), random_vector(n, dtype))
+
+
+def test_empty_launches_nothing(monkeypatch):
+    """n = 0 returns the empty sum without touching either kernel."""
+    monkeypatch.setattr(triton_impl, "partial_dots_kernel", None)
+    monkeypatch.setattr(triton_impl, "sum_partials_kernel", None)
+    empty = torch.empty(0, device=DEVICE, dtype=torch.bfloat16)
+    assert_same_bits(triton_impl.dot(empty, empty), torch.zeros((), dtype=torch.bfloat16))
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = {}
+for dtype in (torch.bfloat16, torch.float32):
+    x, y = torch.randn(2, 9000).to(dtype)
+    calls[str(dtype)] = {"x": x.tolist(), "y": y.tolist(), "z": triton_impl.dot(x, y).item()}
+print(json.dumps(calls))
+"""
+
+
+def test_triton_kernel_runs_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included, no test.py, no common/) runs both kernels on CPU tensors, bfloat16 and
+    float32, three programs and a partial last block, inside README.md's bound: the README's
+    laptop command works."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_CALL], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    for dtype, call in json.loads(child.stdout).items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        x, y = (torch.tensor(call[name], dtype=dtype) for name in ("x", "y"))
+        z, exact = torch.tensor(call["z"], dtype=dtype), reference.dot(x, y)
+        assert_within(z, exact, error_bound("triton", x, y, exact), f"{dtype}")
+
+
+# --- 4. CuTe: builds and PTX ---
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
@@ -326,6 +327,32 @@ def test_cute_ptx(dtype):
     vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
     assert "ld.global.v4" in vector and "ld.global.v4" not in scalar
     assert "shfl.sync.bfly" in vector and "shfl.sync.bfly" in scalar
+
+
+# --- 5. GPU only: CUDA graphs, and sizes past 2**31 with their float64 stand-in ---
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replays_the_eager_call(impl, dtype):
+    """Captured in a CUDA graph (as a decode loop would run it), the call replays on fresh data
+    with the bits of an eager call: the launcher works on the stream torch has current and does
+    nothing outside it that a capture would miss. The captured call allocates its partials and
+    z from the graph's memory pool, and every replay writes the same z."""
+    dot = implementation(impl)
+    x, y = random_vector(65537, dtype), random_vector(65537, dtype)
+    dot(x, y)  # the first call compiles and loads the kernels, which a capture cannot
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = dot(x, y)
+    x.copy_(random_vector(65537, dtype))
+    y.copy_(random_vector(65537, dtype))
+    replayed.fill_(float("nan"))
+    graph.replay()
+    eager = dot(x, y)
+    torch.cuda.synchronize()
+    assert_same_bits(replayed.reshape(1), eager.reshape(1))
 
 
 def float64_dot_in_chunks(x, y, chunk=2**26):

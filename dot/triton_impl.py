@@ -1,22 +1,15 @@
 """dot: z = x^T y as two Triton kernels with a fixed reduction tree.
 
-    z = sum_i x_i y_i
+README.md's "triton_impl.py" section explains the two passes and "The error bound" counts the
+roundings on a product's way through them. In this file:
 
-A sum over the whole vector needs the work of every program to meet somewhere. Atomics would let
-programs add their pieces into z in the order they happen to finish, a different rounding on
-every run. Here the meeting place is a small buffer instead, and every addition is fixed by n:
-
-pass 1  `partial_dots_kernel`: program p owns one contiguous chunk of m blocks of BLOCK
-        elements (`split` picks m from n). It keeps BLOCK float32 sums (lanes) side by side:
-        step s adds the products of block s into them, lane j getting x_i y_i for the i at
-        position j of each block. The lanes are independent sums, so a block's additions run
-        side by side instead of in one chain. At the end `pairwise_sum` folds the BLOCK lanes
-        into one partial sum, stored at partials[p].
-pass 2  `sum_partials_kernel`: one program folds the partials the same way, rounds the float32
-        total once to the dtype of x and y, and stores z.
-
-README.md counts the roundings on each product's way through this tree; that count is the
-error bound the tests check.
+* `pairwise_sum`: the tree's building block, log2 levels of pairs, the same on the GPU and in
+  the interpreter.
+* `partial_dots_kernel` (pass 1): program p sums its chunk of blocks into BLOCK float32 lanes
+  and folds them into partials[p]; `sum_partials_kernel` (pass 2): folds the partials into z.
+* `patch_triton_interpreter`, `on_device_of`: running on CPU tensors under TRITON_INTERPRET=1.
+* `split`, `roundings`: the tree's shape for n, and the bound's rounding count k(n) from it.
+* `dot`: the launcher.
 """
 
 import contextlib
@@ -34,9 +27,7 @@ BLOCK = 2048
 NUM_WARPS = 8
 # The H200 has 132 SMs; four programs per SM keep enough loads in flight to stream from DRAM.
 # A constant rather than the device's SM count, so the reduction tree, and with it the bits of
-# z, depend only on n. Measured on the H200 at n = 2**28 (a sweep of BLOCK 1024-8192, 4 or 8
-# warps, 264-1056 programs): this gives 4.49 TB/s in float32 and 4.25 in bfloat16; the first
-# choice, BLOCK 4096 with the same programs, gave 4.17 and 4.24.
+# z, depend only on n (README.md, tuning log: the sweep that chose it with BLOCK).
 MAX_PROGRAMS = 4 * 132
 
 
@@ -102,7 +93,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 
@@ -151,6 +143,16 @@ def split(n):
     programs = min(blocks, MAX_PROGRAMS)
     blocks_per_program = (blocks + programs - 1) // programs
     return (blocks + blocks_per_program - 1) // blocks_per_program, blocks_per_program
+
+
+def roundings(n, dtype):
+    """README.md's k(n) for n > 0: the most float32 roundings on one product's way to z through
+    this file's tree, which the error bound needs. One for the product of two float32 numbers
+    (16-bit products are exact in float32), one per further block added into a lane, LOG2_BLOCK
+    levels of pass 1's pairwise_sum and ceil(log2 programs) levels of pass 2's."""
+    programs, blocks_per_program = split(n)
+    product = 1 if dtype == torch.float32 else 0
+    return product + (blocks_per_program - 1) + LOG2_BLOCK + (programs - 1).bit_length()
 
 
 def dot(x, y):

@@ -1,37 +1,14 @@
-"""scal in the CuTe DSL: y = alpha * y.
+"""scal in the CuTe DSL: y = alpha * y, bit for bit the reference's two roundings.
 
-The math
---------
-    y_i = round_to_dtype( fl32( alpha32 * y_i ) )        for i = 0 .. n-1
+The mapping is copy's (README.md's "cute_impl.py" section, with the ASCII map of the thread-value
+layout). In this file, top to bottom:
 
-alpha is rounded to float32 once, on the host (alpha32). Each element is widened to float32
-(exact), multiplied in float32 (one rounding) and rounded once more, to nearest even, by the
-conversion back to y's dtype before the store (nothing to do for float32 data): the
-definition's two roundings and no others, so the result is bit for bit the reference's.
-alpha32 == 0 is BLAS's "y is not read": the kernel stores zeros without loading y, so NaN or
-infinity in y does not survive. The kernel reads and writes n*s bytes each (s = bytes per
-element; only writes when alpha32 == 0), and one multiply per element is nothing next to that:
-the time is bounded by 2*n*s / (memory bandwidth).
-
-How the loop over i is mapped onto the GPU
-------------------------------------------
-* A block of 256 threads owns one tile of consecutive elements, 16 bytes per thread: 4 KiB per
-  operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
-* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
-  elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
-  elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
-  touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
-* Contiguous data whose address is 16-byte aligned is moved as 16-byte vectors (v = 4 float32 or
-  8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, one per thread and
-  operand. Anything else (a step other than 1, an address off the 16-byte grid) compiles the
-  very same kernel with v = 1: one element per instruction, at any stride. Whether y is read is
-  a third compile-time choice.
-* Every block but the last holds a full tile and scales it without a bounds check. The last
-  block may hang over the end of the vector: it keeps the same thread-to-element map but moves
-  element by element, each guarded by a predicate (its coordinate, read from an identity tensor,
-  is < n), so any n works and nothing at or past index n is touched.
-* Indices reach 2**31 and beyond: n, the stride and the tile start block*tile are 64-bit
-  integers, so every address computed from them is 64-bit.
+* `scale_tile`, `in_bounds_mask`, `scal_kernel`: one block scales one tile in float32 (or only
+  writes zeros when alpha32 == 0); the last tile under a predicate tensor.
+* `launch_scal`: the thread-value layout, the copy atoms and the grid.
+* `placeholder`, `build`, `compile_kernel`, `ptx_of`: what `cute.compile` sees, the TVM-FFI
+  build cached per (dtype, vector width, read_y), and its sm_90a PTX for the tests.
+* `scal`: the public function; rounds alpha to float32 and picks the build.
 """
 
 import functools
@@ -48,9 +25,8 @@ from reference import check_operands, to_float32
 THREADS_PER_BLOCK = 256
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread moves per operand, and so the tile: measured on the H200 at n = 2**28,
-# 4 KiB tiles (one 16-byte vector per thread) beat 16 KiB tiles (four) by 4-5%, 4.27 against
-# 4.09 TB/s for copy: many small blocks keep every SM streaming and the last wave short.
+# Bytes each thread moves per operand: one vector, so 4 KiB tiles; many small blocks keep every
+# SM streaming and the last wave short (README.md, tuning log: 16 KiB tiles ran 4-5% slower).
 BYTES_PER_THREAD = VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {

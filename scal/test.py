@@ -5,7 +5,9 @@ Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its
 launching it needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +37,8 @@ try:
 except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
 
+# --- 1. Set-up and the bound model: the reference's two roundings, bit for bit ---
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
@@ -59,6 +63,33 @@ def implementation(name):
 
 def random_vector(n, dtype, step=1):
     return torch.randn(n * step, device=DEVICE).to(dtype)[::step]
+
+
+def test_reference_rounds_like_float32():
+    """The reference's one rounding is float32's: checked against torch's float32 multiply."""
+    y = random_vector(10000, torch.float32)
+    assert_same_bits(reference.scal(0.3, y.cpu()).float(), y.cpu() * 0.3)
+
+
+def test_negative_control():
+    """The bitwise check rejects a result off by one unit in the last place, and an element
+    taken from its neighbour."""
+    y = random_vector(1000, torch.bfloat16)
+    # Elements 500 and 501 apart: two of random_vector's bfloat16 values were equal in 31 of
+    # 20000 draws (8 bits of significand), and then the neighbour control would pass.
+    y[500], y[501] = 1.0, -1.0
+    expected = reference.scal(0.3, y.cpu())
+    one_ulp_off = expected.to(torch.bfloat16)
+    one_ulp_off.view(torch.int16)[10] += 1  # the next bfloat16 away from zero
+    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
+        assert_matches_rounded(one_ulp_off, expected)
+    neighbour = expected.to(torch.bfloat16)
+    neighbour[500] = neighbour[501]
+    with pytest.raises(AssertionError, match="differ"):
+        assert_matches_rounded(neighbour, expected)
+
+
+# --- 2. The contract, over every implementation ---
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -161,28 +192,49 @@ def test_bad_input_raises_before_launch(impl, case):
         assert_same_bits(y, before, "y after a rejected call")
 
 
-def test_reference_rounds_like_float32():
-    """The reference's one rounding is float32's: checked against torch's float32 multiply."""
-    y = random_vector(10000, torch.float32)
-    assert_same_bits(reference.scal(0.3, y.cpu()).float(), y.cpu() * 0.3)
+# --- 3. Triton-specific: the kernel outside test.py ---
 
 
-def test_negative_control():
-    """The bitwise check rejects a result off by one unit in the last place, and an element
-    taken from its neighbour."""
-    y = random_vector(1000, torch.bfloat16)
-    # Elements 500 and 501 apart: two of random_vector's bfloat16 values were equal in 31 of
-    # 20000 draws (8 bits of significand), and then the neighbour control would pass.
-    y[500], y[501] = 1.0, -1.0
-    expected = reference.scal(0.3, y.cpu())
-    one_ulp_off = expected.to(torch.bfloat16)
-    one_ulp_off.view(torch.int16)[10] += 1  # the next bfloat16 away from zero
-    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
-        assert_matches_rounded(one_ulp_off, expected)
-    neighbour = expected.to(torch.bfloat16)
-    neighbour[500] = neighbour[501]
-    with pytest.raises(AssertionError, match="differ"):
-        assert_matches_rounded(neighbour, expected)
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = {}
+for dtype in (torch.bfloat16, torch.float32):
+    y = torch.randn(5000).to(dtype)
+    calls[str(dtype)] = {"y": y.tolist(), "alpha * y": triton_impl.scal(0.3, y).tolist()}
+print(json.dumps(calls))
+"""
+
+
+def test_triton_kernel_runs_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included, no test.py, no common/) runs the kernel on CPU tensors, bfloat16 and float32,
+    and gets the reference's bits: the README's laptop command works. Without the patch, bfloat16
+    stores would truncate instead of rounding to nearest even."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_CALL], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    for dtype, call in json.loads(child.stdout).items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        y, scaled = (torch.tensor(call[name], dtype=dtype) for name in ("y", "alpha * y"))
+        assert_matches_rounded(scaled, reference.scal(0.3, y), f"{dtype} alpha * y")
+
+
+# --- 4. CuTe: builds and PTX ---
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+# --- 5. GPU only: CUDA graphs and sizes past 2**31 ---
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -217,15 +269,6 @@ def test_more_than_2_to_31_elements(impl):
     expected = (y.float() * -0.5).bfloat16()  # exact: halving a bfloat16 needs no rounding
     scal(-0.5, y)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
-
-
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(dtype):
-    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
-    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
-    assert "ld.global.v4" in vector and "st.global.v4" in vector
-    assert "ld.global.v4" not in scalar
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """scal: y = alpha * y as a Triton kernel.
 
-The same shape as copy's kernel: program `pid` of a 1-D grid owns BLOCK consecutive elements,
-and a mask turns off the lanes past n. Each element is widened to float32, multiplied by alpha
-(passed as a float32 argument, so rounded to float32 once on the host side of the launch) and
-rounded once to y's dtype by the store, the definition's two roundings and no others.
+README.md's "triton_impl.py" section explains the mapping (copy's, with a float32 multiply). In
+this file: `scal_kernel` (one program scales one block of BLOCK elements, masked past n; a
+compile-time variant for alpha32 == 0 stores zeros without reading y), `patch_triton_interpreter`
+(lets the kernel run on CPU tensors under TRITON_INTERPRET=1), `on_device_of` and the launcher
+`scal`.
 """
 
 import contextlib
@@ -15,9 +16,8 @@ import triton.language as tl
 
 from reference import check_operands, to_float32
 
-# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread. Measured on the
-# H200 at n = 2**28: 4 KiB programs beat 16 KiB ones by 4-5% (4.26 against 4.06 TB/s for copy),
-# since many small programs keep every SM streaming and leave a shorter last wave.
+# 4 KiB per operand per program over 8 warps: one 16-byte vector per thread; many small programs
+# keep every SM streaming and leave a short last wave (README.md, tuning log: 16 KiB ran slower).
 BLOCK_BYTES = 4096
 NUM_WARPS = 8
 
@@ -48,7 +48,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 

@@ -1,32 +1,15 @@
-"""swap in the CuTe DSL: x <-> y.
+"""swap in the CuTe DSL: x <-> y, bit for bit.
 
-The math
---------
-    (x_i, y_i) <- (y_i, x_i)        for i = 0 .. n-1
+The mapping is copy's with swap's own tile shape (README.md's "cute_impl.py" section, with the
+ASCII map of the thread-value layout; the shape's sweep is its tuning log). In this file, top to
+bottom:
 
-Nothing is computed and nothing is rounded: the bits move unchanged. The kernel reads and
-writes both vectors, 4*n*s bytes (s = bytes per element), so the time can never beat
-4*n*s / (memory bandwidth). Each element pair is read into registers and written back crossed
-by the same thread, so no thread ever waits for another: no barrier, no temporary vector.
-
-How the loop over i is mapped onto the GPU
-------------------------------------------
-* A block of 128 threads owns one tile of consecutive elements, 32 bytes per thread: 4 KiB per
-  operand whatever the dtype. The grid has ceil(n / tile) blocks, one tile each.
-* Inside a tile a thread-value (TV) layout says who moves what. Thread t owns v adjacent
-  elements (one vector) in each row of T = THREADS_PER_BLOCK vectors: t's vectors start at
-  elements t*v, (T + t)*v, (2T + t)*v, ... So on each load instruction the 32 threads of a warp
-  touch 32 adjacent vectors, one contiguous run of memory (a coalesced access).
-* Contiguous data whose addresses are 16-byte aligned is moved as 16-byte vectors (v = 4 float32
-  or 8 float16/bfloat16 elements): one 128-bit ld.global/st.global per vector, two per thread
-  and operand in flight. Anything else (a step other than 1, an address off the 16-byte grid)
-  compiles the very same kernel with v = 1: one element per instruction, at any stride.
-* Every block but the last holds a full tile and swaps it without a bounds check. The last block
-  may hang over the end of the vectors: it keeps the same thread-to-element map but swaps
-  element by element, each guarded by a predicate (its coordinate, read from an identity tensor,
-  is < n), so any n works and nothing at or past index n is touched.
-* Indices reach 2**31 and beyond: n, the strides and the tile start block*tile are 64-bit
-  integers, so every address computed from them is 64-bit.
+* `swap_tile`, `swap_tail`, `in_bounds_mask`, `swap_kernel`: one block swaps one tile through
+  registers; the last tile one pair at a time under a predicate tensor.
+* `launch_swap`: the thread-value layout, the copy atoms and the grid.
+* `placeholder`, `build`, `compile_kernel`, `ptx_of`: what `cute.compile` sees, the TVM-FFI
+  build cached per (dtype, vector width), and its sm_90a PTX for the tests.
+* `swap`: the public function; picks the vector or the any-stride build.
 """
 
 import functools
@@ -43,12 +26,8 @@ from reference import check_operands
 THREADS_PER_BLOCK = 128
 # The widest load/store a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Bytes each thread moves per operand, and so the tile (128 threads x 32 bytes = 4 KiB). swap is
-# touchy, see README.md. Measured on the H200 at n = 2**28 with the one-pair-at-a-time tail
-# (26 to 32 registers per thread): 128 x 32 B gave 3.95 TB/s in float32 and 3.93 in bfloat16 (93%
-# of a copy); 256 x 16 B 3.69, 256 x 32 B 3.71, 512 x 16 B 3.47; every 64-byte shape fell to
-# 1.6 TB/s, because ptxas, holding the kernel to 32 registers, then issues the third and
-# fourth loads of y only after the first store, which waits for the first load of x.
+# Bytes each thread moves per operand: two vectors, so 4 KiB tiles; the fastest of the shapes
+# swept, and 64 bytes a thread collapses (README.md, tuning log).
 BYTES_PER_THREAD = 2 * VECTOR_BYTES
 
 TORCH_TO_CUTLASS = {
@@ -76,12 +55,10 @@ def swap_tile(thread_copy, x_tile, y_tile):
 @cute.jit
 def swap_tail(thread_copy, x_tile, y_tile, in_bounds):
     """Swap this thread's elements of the last tile one pair at a time, each under its entry
-    of the predicate tensor. Loading the whole share of both tiles first, as swap_tile does,
-    would hold every element of x and of y in registers at once, and the kernel's register
-    count is its largest branch's: at 64 threads x 64 bytes ptxas gave the contiguous build
-    128 registers per thread for 16-bit data (64 for float32) that way and 32 for both this
-    way; at the shape chosen below it gives 26. A load cannot move above a store to memory it
-    may alias, so here only one pair is ever live."""
+    of the predicate tensor. ptxas sizes the kernel's registers for its largest branch, so a
+    tail that loaded both whole shares first, as swap_tile does, would cost every block
+    registers (README.md, tuning log); a load cannot move above a store to memory it may
+    alias, so here only one pair is ever live."""
     x_mine = thread_copy.partition_S(x_tile)
     y_mine = thread_copy.partition_S(y_tile)
     for i in cutlass.range_constexpr(cute.size(x_mine)):

@@ -5,8 +5,10 @@ Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its
 launching it needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +37,8 @@ try:
     import cute_impl
 except ImportError as error:  # the CuTe DSL is absent: its tests skip and say why
     cute_impl, CUTE_MISSING = None, f"the CuTe DSL is not installed ({error})"
+
+# --- 1. Set-up and the bound model: bitwise equality (README.md, "The error bound") ---
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -78,6 +82,18 @@ def poisoned(n, dtype, step, margin=64):
     outside = torch.ones_like(buffer, dtype=torch.bool)
     outside[margin : margin + n * step : step] = False
     return buffer, view, outside
+
+
+def test_negative_control():
+    """The bitwise check rejects a swap that left one element of y unexchanged."""
+    x, y = random_vector(1000, torch.float16), random_vector(1000, torch.float16)
+    wrong_y = x.clone()
+    wrong_y[999] = y[999]
+    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
+        assert_same_bits(wrong_y, x)
+
+
+# --- 2. The contract, over every implementation ---
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -217,13 +233,53 @@ def test_overlap_against_brute_force():
     assert seen == {"none", "same", "partial"}
 
 
-def test_negative_control():
-    """The bitwise check rejects a swap that left one element of y unexchanged."""
-    x, y = random_vector(1000, torch.float16), random_vector(1000, torch.float16)
-    wrong_y = x.clone()
-    wrong_y[999] = y[999]
-    with pytest.raises(AssertionError, match="1 of 1000 elements differ"):
-        assert_same_bits(wrong_y, x)
+# --- 3. Triton-specific: the kernel outside test.py ---
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = {}
+for dtype in (torch.bfloat16, torch.float32):
+    x, y = torch.randn(2, 5000).to(dtype)
+    call = {"x": x.tolist(), "y": y.tolist()}
+    triton_impl.swap(x, y)
+    calls[str(dtype)] = {**call, "x after": x.tolist(), "y after": y.tolist()}
+print(json.dumps(calls))
+"""
+
+
+def test_triton_kernel_runs_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included, no test.py, no common/) runs the kernel on CPU tensors, bfloat16 and float32,
+    and x and y trade their bits: the README's laptop command works."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_CALL], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    for dtype, call in json.loads(child.stdout).items():
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        x, y, x_after, y_after = (
+            torch.tensor(call[name], dtype=dtype) for name in ("x", "y", "x after", "y after")
+        )
+        assert_same_bits(x_after, y, f"{dtype} x")
+        assert_same_bits(y_after, x, f"{dtype} y")
+
+
+# --- 4. CuTe: builds and PTX ---
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_ptx(dtype):
+    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
+    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "ld.global.v4" not in scalar
+
+
+# --- 5. GPU only: CUDA graphs and sizes past 2**31 ---
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -261,15 +317,6 @@ def test_more_than_2_to_31_elements(impl):
     swap(x, y)
     assert torch.equal(x.view(torch.int16), old_y.view(torch.int16))
     assert torch.equal(y.view(torch.int16), old_x.view(torch.int16))
-
-
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(dtype):
-    """The CuTe kernel builds for sm_90a with 128-bit vector loads and stores on the fast path."""
-    vector, scalar = cute_impl.ptx_of(dtype, contiguous=True), cute_impl.ptx_of(dtype, False)
-    assert "ld.global.v4" in vector and "st.global.v4" in vector
-    assert "ld.global.v4" not in scalar
 
 
 if __name__ == "__main__":

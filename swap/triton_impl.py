@@ -1,11 +1,10 @@
 """swap: x <-> y as a Triton kernel.
 
-The same shape as copy's kernel, with two operands each way: program `pid` of a 1-D grid owns
-block pid of both vectors, loads both blocks into registers, then stores each into the other.
-Every element is read and written by one thread only, so no barrier is needed between the loads
-and the stores. Inside a program, `tl.arange` gives every thread a few consecutive elements, so a
-contiguous block is read and written with 16-byte vector instructions, and a mask switches off
-the lanes past n in the last block: no element outside the vector is read or written.
+README.md's "triton_impl.py" section explains the mapping (copy's, with two operands each way).
+In this file: `swap_kernel` (one program loads its block of x and of y, then stores each into
+the other, masked past n; one thread reads and writes each element, so no barrier),
+`patch_triton_interpreter` (lets the kernel run on CPU tensors under TRITON_INTERPRET=1),
+`on_device_of` and the launcher `swap`.
 """
 
 import contextlib
@@ -17,9 +16,8 @@ import triton.language as tl
 
 from reference import check_operands
 
-# 4 KiB per operand per program over 4 warps: two 16-byte vectors of x and two of y per thread.
-# swap is touchy: measured on the H200 at n = 2**28 this gives 4.15 TB/s, 8 KiB over 8 warps
-# 3.97, 8 KiB over 4 warps only 1.79. (The cause is not established; see README.md.)
+# 4 KiB per operand per program over 4 warps: two 16-byte vectors of x and two of y per thread,
+# the fastest of the shapes swept; swap is touchy about its shape (README.md, tuning log).
 BLOCK_BYTES = 4096
 NUM_WARPS = 4
 
@@ -47,7 +45,8 @@ def patch_triton_interpreter():
     refuses ("only 0-dimensional arrays can be converted to Python scalars"), so a loop over
     runtime bounds fails; .item() does it. And it converts float32 <-> bfloat16 bit by bit,
     truncating (its 'rtne' rounds half up) and mangling subnormals where the GPU rounds to
-    nearest even and keeps them; torch's exact conversions replace those two cases."""
+    nearest even and keeps them; torch's exact conversions replace those two cases. The same
+    function, word for word, is in every folder's triton_impl.py: a copied folder works alone."""
     import numpy as np  # the interpreter's own dependency; the GPU path needs no numpy
     from triton.runtime import interpreter
 
