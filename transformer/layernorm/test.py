@@ -1086,8 +1086,12 @@ def test_cute_forward_registers(dtype, n, tmp_path):
     occupancy README.md's tuning log counts on (the old kernel took 80: three)."""
     ptx = tmp_path / "forward.ptx"
     ptx.write_text(cute_impl.ptx_of("forward", dtype, True, 0, cute_impl.forward_map(n, dtype)))
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
-                            capture_output=True, text=True, check=True).stderr  # fmt: skip
+    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                         capture_output=True, text=True)  # fmt: skip
+    if "Unsupported .version" in run.stderr:  # the H200 machine's ptxas is older than the DSL
+        pytest.skip(f"this ptxas cannot read the CuTe DSL's PTX: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    report = run.stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers <= 65536 // (4 * cute_impl.THREADS_PER_BLOCK), report
     assert "0 bytes spill stores" in report, report
