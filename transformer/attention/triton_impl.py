@@ -51,6 +51,10 @@ FORWARD_TILES = {
     (2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3), (2, 256): (128, 64, 8, 2),
     (4, 64): (64, 64, 4, 2), (4, 128): (64, 32, 4, 2), (4, 256): (32, 32, 4, 1),
 }  # fmt: skip
+# Without TMA (before Hopper, or operands no descriptor can address) 16-bit data keeps the tile
+# of the earlier cp.async forward: the 3-stage 128 x 128 tile's pointer loads would take 224 KB
+# of shared memory at D = 128, past what GPUs before Hopper have.
+POINTER_TILE = (128, 64, 8, 2)
 BACKWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # interpreter
 DELTA_ROWS = 64
@@ -342,11 +346,14 @@ def constants(q, tile):
             "UPCAST": INTERPRETED and q.dtype != torch.float32}  # fmt: skip
 
 
-def forward_tile(dtype, head_dim):
-    """FORWARD_TILES's entry for this dtype's width and D (64 and below share D = 64's)."""
-    block_m, block_n, warps, stages = FORWARD_TILES[
-        (dtype.itemsize if dtype != torch.float16 else 2, max(64, padded_head_dim(head_dim)))
-    ]
+def forward_tile(dtype, head_dim, tma=True):
+    """FORWARD_TILES's entry for this dtype's width and D (64 and below share D = 64's); 16-bit
+    data without TMA takes POINTER_TILE."""
+    width = 4 if dtype == torch.float32 else 2
+    block_m, block_n, warps, stages = (
+        POINTER_TILE if width == 2 and not tma
+        else FORWARD_TILES[(width, max(64, padded_head_dim(head_dim)))]
+    )  # fmt: skip
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
@@ -381,7 +388,8 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
         batch, s_q, heads, head_dim = q.shape
-        self.config = {**constants(q, forward_tile(q.dtype, head_dim)), "TMA": use_tma}
+        tile = forward_tile(q.dtype, head_dim, use_tma)
+        self.config = {**constants(q, tile), "TMA": use_tma}
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         block_d = self.config["BLOCK_D"]
         self.grid = (triton.cdiv(s_q, block_m), batch * heads, 1)
