@@ -1,20 +1,18 @@
-"""Attention as Triton kernels: FlashAttention-2's forward and a deterministic backward.
+"""Attention in Triton: a FlashAttention-2 forward on Hopper's TMA, a deterministic backward.
 
-`attention_forward_kernel`: one program per (block of BLOCK_M queries, batch x query head). It
-holds its Q block, streams K and V in blocks of BLOCK_N keys, and keeps per row the running
-max m, the running sum l of exp and the unnormalised output acc (online softmax, in the exp2
-domain: scores are scaled by scale * log2 e once). A new max rescales l and acc by
-exp2(m_old - m_new); P is rounded to the input dtype for the P V product (the tensor cores take
-16-bit P), as torch_impl does. The score matrix never leaves registers. Causal programs stop at
-the last key block their rows can see.
+`attention_forward_kernel`: one program per (BLOCK_M queries, batch x query head) keeps the
+online softmax's row max, row sum and unnormalised output in registers while K and V stream by
+in BLOCK_N-key tiles (`online_softmax_step`, exp2 domain): first the whole tiles without a mask,
+then the tail and the causal diagonal with one. Tiles arrive through TMA tensor descriptors
+where the operands allow it (`describable`), through masked pointer loads otherwise
+(`load_tile`). `forward_plan` caches per shape what a launch needs (the tiles: FORWARD_TILES)
+and, after a shape's first call, launches the compiled kernel directly.
 
 The backward recomputes P from the saved lse and never adds into memory shared between
-programs, so the same inputs give the same bits: `attention_delta_kernel` forms
-D_i = sum_d dO_id O_id; `attention_dkdv_kernel`, one program per (key block, batch x KV head),
-walks the query heads of its group and their query blocks in a fixed order, accumulating dK and
-dV in registers; `attention_dq_kernel`, one program per (query block, batch x query head),
-walks the key blocks for dQ. README.md's "Triton" section maps them; its bound counts the
-roundings.
+programs, so the same inputs give the same bits: `attention_delta_kernel` (D_i),
+`attention_dkdv_kernel` (per key block, the group's query heads in order), `attention_dq_kernel`
+(per query block). README.md's "Triton" section maps them, its bound counts the roundings and
+its tuning log holds the predictions behind the tiles.
 """
 
 import contextlib
