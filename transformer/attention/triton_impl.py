@@ -79,7 +79,8 @@ def load_tile(src, b, h, start, n_rows, stride_b, stride_s, stride_h, HEAD_DIM: 
     D filled with 0 by the copy engine) or through a pointer and masks."""
     if TMA:
         # TMA coordinates are 32-bit (B, S and H all fit); the pointer path needs 64-bit offsets.
-        block = src.load([b.to(tl.int32), start, h.to(tl.int32), 0]).reshape(ROWS, BLOCK_D)
+        block = src.load([tl.cast(b, tl.int32), start, tl.cast(h, tl.int32), 0])
+        block = block.reshape(ROWS, BLOCK_D)
         if UPCAST:
             block = block.to(tl.float32)
     else:
@@ -197,34 +198,34 @@ def attention_delta_kernel(
 
 @triton.jit
 def attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, s_q, s_k, heads, group,
+    q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, s_q, s_k, heads, group,
     qk_scale, scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_n, bg = tl.program_id(0), tl.program_id(1)
     heads_kv = heads // group
     b, g = (bg // heads_kv).to(tl.int64), (bg % heads_kv).to(tl.int64)
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_block(k_ptr + b * stride_kb + g * stride_kh, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
-    v = load_block(v_ptr + b * stride_vb + g * stride_vh, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
+    k = load_tile(k_src, b, g, block_n * BLOCK_N, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM,
+                  BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
+    v = load_tile(v_src, b, g, block_n * BLOCK_N, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM,
+                  BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = 0
     if CAUSAL:  # queries before the block's first key's diagonal see none of its keys
         first = tl.maximum(block_n * BLOCK_N - (s_k - s_q), 0) // BLOCK_M * BLOCK_M
     for h in range(g * group, g * group + group):  # the group's query heads, in order
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_db + h * stride_dh
         stats = b * stride_lb + h * stride_lh
         for start in range(first, s_q, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            q = load_block(q_base, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D, UPCAST)
-            do = load_block(do_base, rows, stride_ds, s_q, HEAD_DIM, BLOCK_D, UPCAST)
+            q = load_tile(q_src, b, h, start, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                          BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
+            do = load_tile(do_src, b, h, start, s_q, stride_db, stride_ds, stride_dh, HEAD_DIM,
+                           BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
             lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + (b * heads + h) * s_q + rows, mask=rows < s_q, other=0.0)
             scores = (
@@ -246,32 +247,33 @@ def attention_dkdv_kernel(
 
 @triton.jit
 def attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
+    q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
     scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
     stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh, stride_dqb,
     stride_dqs, stride_dqh, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // heads).to(tl.int64), bh % heads
     g = (h // group).to(tl.int64)
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_block(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
-    do = load_block(do_ptr + b * stride_db + h * stride_dh, rows, stride_ds, s_q, HEAD_DIM,
-                    BLOCK_D, UPCAST)  # fmt: skip
+    q = load_tile(q_src, b, h, block_m * BLOCK_M, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                  BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
+    do = load_tile(do_src, b, h, block_m * BLOCK_M, s_q, stride_db, stride_ds, stride_dh,
+                   HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
     stats = b * stride_lb + h * stride_lh
     lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + rows, mask=rows < s_q, other=0.0)
-    k_base, v_base = k_ptr + b * stride_kb + g * stride_kh, v_ptr + b * stride_vb + g * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = s_k
     if CAUSAL:
         end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = load_block(k_base, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D, UPCAST)
-        v = load_block(v_base, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        k = load_tile(k_src, b, g, start, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_D,
+                      BLOCK_N, UPCAST, TMA)  # fmt: skip
+        v = load_tile(v_src, b, g, start, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_D,
+                      BLOCK_N, UPCAST, TMA)  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         seen = visible_keys(rows, cols, s_q, s_k, CAUSAL)
         p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
@@ -491,7 +493,14 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         dk.zero_(), dv.zero_()  # keys no query sees (s_q = 0) get 0; the kernel overwrites the rest
     if dq.numel() == 0:
         return dq, dk, dv
-    config = constants(q, BACKWARD_TILE)
+    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, do))
+    config = {**constants(q, BACKWARD_TILE), "TMA": use_tma}
+    sources = (q, k, v, do)
+    if use_tma:  # q and dO in BLOCK_M-row tiles, K and V in BLOCK_N-row ones
+        sources = [CheckedDescriptor(t, list(t.shape), list(t.stride()),
+                                     [1, config[rows], 1, config["BLOCK_D"]])
+                   for t, rows in zip(sources, ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"),
+                                      strict=True)]  # fmt: skip
     group = heads // heads_kv
     delta = torch.empty(batch * heads, s_q, dtype=torch.float32, device=q.device)
     common = (s_q, s_k, heads, group, scale * LOG2E, scale, *q.stride()[:3], *k.stride()[:3],
@@ -503,11 +512,11 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         )  # fmt: skip
         if s_k:
             attention_dkdv_kernel[(triton.cdiv(s_k, config["BLOCK_N"]), batch * heads_kv)](
-                q, k, v, do, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
+                *sources, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
                 CAUSAL=causal, **config,
             )  # fmt: skip
         attention_dq_kernel[(triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)](
-            q, k, v, do, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
+            *sources, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
         )  # fmt: skip
     return dq, dk, dv
 
