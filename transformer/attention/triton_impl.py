@@ -476,7 +476,7 @@ def forward_plan(q, k, v, o, lse, causal, scale):
 
 def attention_forward(q, k, v, causal, scale, o, lse):
     plan = forward_plan(q, k, v, o, lse, causal, scale)
-    if plan is not None:  # None: nothing to compute (no query, head, batch or a zero D)
+    if plan is not None:  # None: nothing to compute (no query, head or batch)
         with on_device_of(q):
             plan.launch(q, k, v, o, lse)
     return o, lse
