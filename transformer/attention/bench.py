@@ -248,7 +248,7 @@ def plot(rows, path):
 def main(quick=False, headline=False):
     started = time.perf_counter()
     ceiling, impls, rows = matmul_ceiling_tflops(), implementations(), []
-    if quick:  # the materialised scores take seconds a call at the headline shape
+    if quick:  # the materialised scores: 8.6 GB of float32 and 17-40 ms a call at the headline
         del impls["torch"]
     rows += per_call_rows({n: impls[n] for n in ("library", "triton")} if quick else impls)
     for row in rows:

@@ -396,18 +396,20 @@ def test_autograd_and_compile(impl):
 
 def test_triton_head_dims_pad_to_powers_of_two():
     """D = 20 runs in a 32-wide block (masked), D = 256 in 256, the smallest is tl.dot's 16; the
-    forward's tile follows the padded D and the dtype's width."""
+    forward's tile follows the padded D, the dtype's width and whether the loads are TMA's."""
     assert [triton_impl.padded_head_dim(d) for d in (1, 16, 20, 80, 128, 256)] == [
         16, 16, 32, 128, 128, 256,
     ]  # fmt: skip
     for dtype in DTYPES:
         for head_dim in (8, 64, 80, 128, 200, 256):
-            tile = triton_impl.forward_tile(dtype, head_dim)
             width = 4 if dtype == torch.float32 else 2
-            block_m, block_n, *_ = triton_impl.FORWARD_TILES[
+            entry = triton_impl.FORWARD_TILES[
                 (width, max(64, triton_impl.padded_head_dim(head_dim)))
             ]
-            assert (tile["BLOCK_M"], tile["BLOCK_N"]) == (block_m, block_n)
+            for tma in (True, False):
+                tile = triton_impl.forward_tile(dtype, head_dim, tma)
+                want = triton_impl.POINTER_TILE if width == 2 and not tma else entry
+                assert tuple(tile.values()) == want
 
 
 @pytest.mark.parametrize("head_dim", [80, 256])

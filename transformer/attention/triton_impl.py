@@ -1,20 +1,18 @@
-"""Attention as Triton kernels: FlashAttention-2's forward and a deterministic backward.
+"""Attention in Triton: a FlashAttention-2 forward on Hopper's TMA, a deterministic backward.
 
-`attention_forward_kernel`: one program per (block of BLOCK_M queries, batch x query head). It
-holds its Q block, streams K and V in blocks of BLOCK_N keys, and keeps per row the running
-max m, the running sum l of exp and the unnormalised output acc (online softmax, in the exp2
-domain: scores are scaled by scale * log2 e once). A new max rescales l and acc by
-exp2(m_old - m_new); P is rounded to the input dtype for the P V product (the tensor cores take
-16-bit P), as torch_impl does. The score matrix never leaves registers. Causal programs stop at
-the last key block their rows can see.
+`attention_forward_kernel`: one program per (BLOCK_M queries, batch x query head) keeps the
+online softmax's row max, row sum and unnormalised output in registers while K and V stream by
+in BLOCK_N-key tiles (`online_softmax_step`, exp2 domain): first the whole tiles without a mask,
+then the tail and the causal diagonal with one. Tiles arrive through TMA tensor descriptors
+where the operands allow it (`describable`), through masked pointer loads otherwise
+(`load_tile`). `forward_plan` caches per shape what a launch needs (the tiles: FORWARD_TILES)
+and, after a shape's first call, launches the compiled kernel directly.
 
 The backward recomputes P from the saved lse and never adds into memory shared between
-programs, so the same inputs give the same bits: `attention_delta_kernel` forms
-D_i = sum_d dO_id O_id; `attention_dkdv_kernel`, one program per (key block, batch x KV head),
-walks the query heads of its group and their query blocks in a fixed order, accumulating dK and
-dV in registers; `attention_dq_kernel`, one program per (query block, batch x query head),
-walks the key blocks for dQ. README.md's "Triton" section maps them; its bound counts the
-roundings.
+programs, so the same inputs give the same bits: `attention_delta_kernel` (D_i),
+`attention_dkdv_kernel` (per key block, the group's query heads in order), `attention_dq_kernel`
+(per query block). README.md's "Triton" section maps them, its bound counts the roundings and
+its tuning log holds the predictions behind the tiles.
 """
 
 import contextlib
@@ -51,6 +49,10 @@ FORWARD_TILES = {
     (2, 64): (128, 128, 8, 3), (2, 128): (128, 128, 8, 3), (2, 256): (128, 64, 8, 2),
     (4, 64): (64, 64, 4, 2), (4, 128): (64, 32, 4, 2), (4, 256): (32, 32, 4, 1),
 }  # fmt: skip
+# Without TMA (before Hopper, or operands no descriptor can address) 16-bit data keeps the tile
+# of the earlier cp.async forward: the 3-stage 128 x 128 tile's pointer loads would take 224 KB
+# of shared memory at D = 128, past what GPUs before Hopper have.
+POINTER_TILE = (128, 64, 8, 2)
 BACKWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # interpreter
 DELTA_ROWS = 64
@@ -77,7 +79,8 @@ def load_tile(src, b, h, start, n_rows, stride_b, stride_s, stride_h, HEAD_DIM: 
     D filled with 0 by the copy engine) or through a pointer and masks."""
     if TMA:
         # TMA coordinates are 32-bit (B, S and H all fit); the pointer path needs 64-bit offsets.
-        block = src.load([b.to(tl.int32), start, h.to(tl.int32), 0]).reshape(ROWS, BLOCK_D)
+        block = src.load([tl.cast(b, tl.int32), start, tl.cast(h, tl.int32), 0])
+        block = block.reshape(ROWS, BLOCK_D)
         if UPCAST:
             block = block.to(tl.float32)
     else:
@@ -195,34 +198,34 @@ def attention_delta_kernel(
 
 @triton.jit
 def attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, s_q, s_k, heads, group,
+    q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, s_q, s_k, heads, group,
     qk_scale, scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_n, bg = tl.program_id(0), tl.program_id(1)
     heads_kv = heads // group
     b, g = (bg // heads_kv).to(tl.int64), (bg % heads_kv).to(tl.int64)
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_block(k_ptr + b * stride_kb + g * stride_kh, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
-    v = load_block(v_ptr + b * stride_vb + g * stride_vh, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
+    k = load_tile(k_src, b, g, block_n * BLOCK_N, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM,
+                  BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
+    v = load_tile(v_src, b, g, block_n * BLOCK_N, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM,
+                  BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = 0
     if CAUSAL:  # queries before the block's first key's diagonal see none of its keys
         first = tl.maximum(block_n * BLOCK_N - (s_k - s_q), 0) // BLOCK_M * BLOCK_M
     for h in range(g * group, g * group + group):  # the group's query heads, in order
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_db + h * stride_dh
         stats = b * stride_lb + h * stride_lh
         for start in range(first, s_q, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            q = load_block(q_base, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D, UPCAST)
-            do = load_block(do_base, rows, stride_ds, s_q, HEAD_DIM, BLOCK_D, UPCAST)
+            q = load_tile(q_src, b, h, start, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                          BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
+            do = load_tile(do_src, b, h, start, s_q, stride_db, stride_ds, stride_dh, HEAD_DIM,
+                           BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
             lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + (b * heads + h) * s_q + rows, mask=rows < s_q, other=0.0)
             scores = (
@@ -244,32 +247,33 @@ def attention_dkdv_kernel(
 
 @triton.jit
 def attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
+    q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
     scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
     stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh, stride_dqb,
     stride_dqs, stride_dqh, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     block_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // heads).to(tl.int64), bh % heads
     g = (h // group).to(tl.int64)
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_block(q_ptr + b * stride_qb + h * stride_qh, rows, stride_qs, s_q, HEAD_DIM, BLOCK_D,
-                   UPCAST)  # fmt: skip
-    do = load_block(do_ptr + b * stride_db + h * stride_dh, rows, stride_ds, s_q, HEAD_DIM,
-                    BLOCK_D, UPCAST)  # fmt: skip
+    q = load_tile(q_src, b, h, block_m * BLOCK_M, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+                  BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
+    do = load_tile(do_src, b, h, block_m * BLOCK_M, s_q, stride_db, stride_ds, stride_dh,
+                   HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
     stats = b * stride_lb + h * stride_lh
     lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + rows, mask=rows < s_q, other=0.0)
-    k_base, v_base = k_ptr + b * stride_kb + g * stride_kh, v_ptr + b * stride_vb + g * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = s_k
     if CAUSAL:
         end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = load_block(k_base, cols, stride_ks, s_k, HEAD_DIM, BLOCK_D, UPCAST)
-        v = load_block(v_base, cols, stride_vs, s_k, HEAD_DIM, BLOCK_D, UPCAST)
+        k = load_tile(k_src, b, g, start, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_D,
+                      BLOCK_N, UPCAST, TMA)  # fmt: skip
+        v = load_tile(v_src, b, g, start, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_D,
+                      BLOCK_N, UPCAST, TMA)  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         seen = visible_keys(rows, cols, s_q, s_k, CAUSAL)
         p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
@@ -342,11 +346,14 @@ def constants(q, tile):
             "UPCAST": INTERPRETED and q.dtype != torch.float32}  # fmt: skip
 
 
-def forward_tile(dtype, head_dim):
-    """FORWARD_TILES's entry for this dtype's width and D (64 and below share D = 64's)."""
-    block_m, block_n, warps, stages = FORWARD_TILES[
-        (dtype.itemsize if dtype != torch.float16 else 2, max(64, padded_head_dim(head_dim)))
-    ]
+def forward_tile(dtype, head_dim, tma=True):
+    """FORWARD_TILES's entry for this dtype's width and D (64 and below share D = 64's); 16-bit
+    data without TMA takes POINTER_TILE."""
+    width = 4 if dtype == torch.float32 else 2
+    block_m, block_n, warps, stages = (
+        POINTER_TILE if width == 2 and not tma
+        else FORWARD_TILES[(width, max(64, padded_head_dim(head_dim)))]
+    )  # fmt: skip
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
 
@@ -381,7 +388,8 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
         batch, s_q, heads, head_dim = q.shape
-        self.config = {**constants(q, forward_tile(q.dtype, head_dim)), "TMA": use_tma}
+        tile = forward_tile(q.dtype, head_dim, use_tma)
+        self.config = {**constants(q, tile), "TMA": use_tma}
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         block_d = self.config["BLOCK_D"]
         self.grid = (triton.cdiv(s_q, block_m), batch * heads, 1)
@@ -468,7 +476,7 @@ def forward_plan(q, k, v, o, lse, causal, scale):
 
 def attention_forward(q, k, v, causal, scale, o, lse):
     plan = forward_plan(q, k, v, o, lse, causal, scale)
-    if plan is not None:  # None: nothing to compute (no query, head, batch or a zero D)
+    if plan is not None:  # None: nothing to compute (no query, head or batch)
         with on_device_of(q):
             plan.launch(q, k, v, o, lse)
     return o, lse
@@ -485,7 +493,14 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         dk.zero_(), dv.zero_()  # keys no query sees (s_q = 0) get 0; the kernel overwrites the rest
     if dq.numel() == 0:
         return dq, dk, dv
-    config = constants(q, BACKWARD_TILE)
+    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, do))
+    config = {**constants(q, BACKWARD_TILE), "TMA": use_tma}
+    sources = (q, k, v, do)
+    if use_tma:  # q and dO in BLOCK_M-row tiles, K and V in BLOCK_N-row ones
+        sources = [CheckedDescriptor(t, list(t.shape), list(t.stride()),
+                                     [1, config[rows], 1, config["BLOCK_D"]])
+                   for t, rows in zip(sources, ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"),
+                                      strict=True)]  # fmt: skip
     group = heads // heads_kv
     delta = torch.empty(batch * heads, s_q, dtype=torch.float32, device=q.device)
     common = (s_q, s_k, heads, group, scale * LOG2E, scale, *q.stride()[:3], *k.stride()[:3],
@@ -497,11 +512,11 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         )  # fmt: skip
         if s_k:
             attention_dkdv_kernel[(triton.cdiv(s_k, config["BLOCK_N"]), batch * heads_kv)](
-                q, k, v, do, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
+                *sources, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
                 CAUSAL=causal, **config,
             )  # fmt: skip
         attention_dq_kernel[(triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)](
-            q, k, v, do, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
+            *sources, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
         )  # fmt: skip
     return dq, dk, dv
 
