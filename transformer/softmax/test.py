@@ -631,8 +631,8 @@ def test_cute_ptx(direction, dtype):
 def test_cute_cluster_ptx(dtype):
     """Step 2 builds for sm_90a: the block's rank in its cluster, mapa and st.async into the
     peers' shared memory completing an mbarrier's bytes, the wait on it, the cluster barrier
-    that orders the mbarriers' set-up, 128-bit accesses, and one exp per element held (no
-    online rescale: the max is known first)."""
+    that orders the mbarriers' set-up, 128-bit accesses, one exp per element held (no online
+    rescale: the max is known first), and what keeps the slice in flight (README.md, step 2)."""
     ptx = cute_impl.ptx_of("forward", dtype, contiguous=True, cluster_size=8)
     for instruction in (
         "%cluster_ctarank", "mapa.shared::cluster", "mbarrier.try_wait", "barrier.cluster.arrive",
