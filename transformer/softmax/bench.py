@@ -2,6 +2,7 @@
 
     python bench.py            writes results.json and perf.png beside this file
     python bench.py --quick    the two large shapes only, no files (the GPU probe)
+    python bench.py --quick 8192x131072    the named shapes only, no files
 
 Minimal traffic: the forward reads x and writes y (2MN elements); the backward reads y and dy
 and writes dx (3MN), so fwd+bwd counts 5MN. Times are medians over ROUNDS rounds of
@@ -242,7 +243,7 @@ def plot(rows, path):
     figure.savefig(path, dpi=120)
 
 
-def main(quick=False):
+def main(quick=False, quick_shapes=QUICK_SHAPES):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
     torch_call_us, triton_launch_us = call_floors_us()
     ceilings = {"copy_GBps": ceiling, "torch_call_us": torch_call_us,
@@ -251,7 +252,7 @@ def main(quick=False):
     for dtype in DTYPES:
         if not quick:
             rows += per_call_rows(impls, dtype)
-        for shape in QUICK_SHAPES if quick else SHAPES:
+        for shape in quick_shapes if quick else SHAPES:
             rows += shape_rows(impls, dtype, shape, ceiling)
             if not quick:  # written as it grows: a run stopped part-way keeps what it measured
                 (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -263,4 +264,5 @@ def main(quick=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    named = [tuple(int(size) for size in arg.split("x")) for arg in sys.argv[1:] if "x" in arg]
+    main(quick="--quick" in sys.argv, quick_shapes=named or QUICK_SHAPES)

@@ -4,7 +4,8 @@ Compared with step 1 (cute_1_two_pass.py) this adds: the row is split over the C
 (CTAs) of a cluster, each holding its slice in registers, and the blocks reduce through
 distributed shared memory (README.md, "CuTe: long rows over a cluster", draws the map):
 
-    block r of the cluster loads elements [r S, (r + 1) S) of the row, S = 256 * CLUSTER_VALUES
+    block r of the cluster loads elements [r S, (r + 1) S) of the row, S = 256 * CLUSTER_VALUES,
+          every load issued before the first is used (load_slice), BLOCKS_PER_SM blocks an SM
     max:  thread max -> block_max -> every block writes it into slot r of every block's
           `maxima` (mapa + st.shared::cluster), cluster barrier, each block takes the max of
           its C slots (max is exact: any order gives the same bits)
@@ -27,9 +28,10 @@ import cutlass.cute as cute
 
 import cute_1_two_pass as blocks  # the warp/block reductions, exp and tile copies
 
-# Each thread holds 64 float32 values of its slice (16 16-byte vectors of bf16, 16 of float32):
-# 64 registers for the row, about 100 in all, so two 256-thread blocks fit an SM.
+# Each thread holds 64 float32 values of its slice (8 16-byte vectors of bf16, 16 of float32):
+# 64 registers for the row, 80 in all, so that BLOCKS_PER_SM blocks of 256 threads fit an SM.
 CLUSTER_VALUES = 64
+BLOCKS_PER_SM = 3  # 3 * 256 threads * 80 registers <= the SM's 65536: ptxas keeps to 80
 SLICE_ELEMS = blocks.THREADS_PER_BLOCK * CLUSTER_VALUES
 MAX_CLUSTER = 8  # the largest portable cluster
 CLUSTER_MIN_N = 32768  # shorter rows: the two-pass kernel re-reads them from L2, nearly free
@@ -67,6 +69,25 @@ def share_with_cluster(value, slots, arrived, size: cutlass.Constexpr[int]):
     cute.arch.mbarrier_wait(arrived, 0)
 
 
+@cute.jit
+def load_slice(x_copies, x_row, first_tile, n, tile_elems: cutlass.Constexpr[int], values):
+    """values[t] = this thread's elements of the row's tile first_tile + t, in float32. A slice
+    wholly inside the row moves as 128-bit vectors in one straight-line block, so every load is
+    issued before the first one is used (README.md, "Why bf16 step 2 stopped at 68%"); the slice
+    holding the row's end goes tile by tile (load_tile), elements past n read as -inf."""
+    tiles = len(values)
+    fill = -cutlass.Float32.inf  # exp(-inf) = 0: lanes past n add nothing
+    if (first_tile + tiles) * tile_elems <= n:
+        thread, _, _ = cute.arch.thread_idx()
+        tile_copy = x_copies[0].get_slice(thread)
+        for t in cutlass.range_constexpr(tiles):
+            x_tile = cute.local_tile(x_row, (tile_elems,), (first_tile + t,))
+            blocks.copy_in(tile_copy, x_tile, values[t], fill, None)
+    else:
+        for t in cutlass.range_constexpr(tiles):
+            blocks.load_tile(x_copies, x_row, first_tile + t, n, tile_elems, fill, values[t])
+
+
 @cute.kernel
 def softmax_forward_cluster_kernel(
     x: cute.Tensor, y: cute.Tensor, n: cutlass.Int32, x_copies, y_copies,
@@ -88,9 +109,7 @@ def softmax_forward_cluster_kernel(
     # "This block has started, its mbarriers set": no block sends to a peer before all have.
     cute.arch.cluster_arrive_relaxed()
     values = [cute.make_rmem_tensor(values_per_tile, cutlass.Float32) for _ in range(tiles)]
-    for t in cutlass.range_constexpr(tiles):
-        fill = -cutlass.Float32.inf  # exp(-inf) = 0: lanes past n add nothing
-        blocks.load_tile(x_copies, x_row, rank * tiles + t, n, tile_elems, fill, values[t])
+    load_slice(x_copies, x_row, rank * tiles, n, tile_elems, values)
     thread_max = pairwise_max([values[t][j] for t in range(tiles) for j in range(values_per_tile)])
     cute.arch.cluster_wait()
     share_with_cluster(blocks.block_max(thread_max), maxima, arrived, size)
@@ -121,9 +140,11 @@ def launch_forward_cluster(
         x, y, n, copies, copies, tile_elems, per_thread, CLUSTER_VALUES // per_thread, size
     )
     # Blocks r*C .. r*C + C - 1 of the grid form row r's cluster: block_idx // C is the row.
+    # min_blocks_per_mp: .minnctapersm, the register budget; carveout -1, the driver's default
+    # (set, so that compiling does not ask a device for its shared memory).
     kernel.launch(
         grid=[m * size, 1, 1], block=[blocks.THREADS_PER_BLOCK, 1, 1], cluster=[size, 1, 1],
-        stream=stream,
+        min_blocks_per_mp=BLOCKS_PER_SM, preferred_smem_carveout=-1, stream=stream,
     )  # fmt: skip
 
 

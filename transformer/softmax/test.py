@@ -47,6 +47,7 @@ except ImportError as error:  # the folder was copied on its own, without common
     ) from error
 
 try:
+    import cute_1_two_pass
     import cute_2_cluster
     import cute_impl
 except ImportError as error:  # no CuTe DSL: its tests skip and say why
@@ -630,8 +631,8 @@ def test_cute_ptx(direction, dtype):
 def test_cute_cluster_ptx(dtype):
     """Step 2 builds for sm_90a: the block's rank in its cluster, mapa and st.async into the
     peers' shared memory completing an mbarrier's bytes, the wait on it, the cluster barrier
-    that orders the mbarriers' set-up, 128-bit accesses, and one exp per element held (no
-    online rescale: the max is known first)."""
+    that orders the mbarriers' set-up, 128-bit accesses, one exp per element held (no online
+    rescale: the max is known first), and what keeps the slice in flight (README.md, step 2)."""
     ptx = cute_impl.ptx_of("forward", dtype, contiguous=True, cluster_size=8)
     for instruction in (
         "%cluster_ctarank", "mapa.shared::cluster", "mbarrier.try_wait", "barrier.cluster.arrive",
@@ -640,6 +641,31 @@ def test_cute_cluster_ptx(dtype):
     ):  # fmt: skip
         assert instruction in ptx, instruction
     assert ptx.count("ex2.approx.ftz.f32") == cute_2_cluster.CLUSTER_VALUES
+    # The whole slice in flight at once: its 128-bit loads in one straight-line block (no
+    # branch between two of them), and the register budget of BLOCKS_PER_SM blocks an SM.
+    slice_vectors = cute_2_cluster.CLUSTER_VALUES * dtype.itemsize // cute_impl.VECTOR_BYTES
+    assert longest_load_run(ptx) == slice_vectors
+    assert f".minnctapersm {cute_2_cluster.BLOCKS_PER_SM}" in ptx
+
+
+def longest_load_run(ptx):
+    """The most 128-bit loads in a row of PTX with no label or branch between them."""
+    run = longest = 0
+    for line in ptx.splitlines():
+        if "ld.global.v4" in line:
+            run += 1
+            longest = max(longest, run)
+        elif line.startswith("$L") or "bra" in line:
+            run = 0
+    return longest
+
+
+@needs_cute
+def test_load_run_rejects_tile_by_tile_loads():
+    """Negative control of the check above: step 1, which loads a tile (two vectors a
+    thread) and uses it before the next, shows runs of two."""
+    ptx = cute_impl.ptx_of("forward", torch.bfloat16, contiguous=True)
+    assert longest_load_run(ptx) == cute_1_two_pass.VECTORS_PER_THREAD
 
 
 @needs_cute
