@@ -1,63 +1,19 @@
-"""gemv in the CuTe DSL: y = alpha*A*x + beta*y, one kernel per layout of A.
+"""gemv, y = alpha*A*x + beta*y, in the CuTe DSL: README.md, "The mapping onto the GPU",
+cute_impl.py, has the thread-value maps drawn out.
 
-The math
---------
-    y_i = round_to_dtype( alpha32 * s_i + beta32 * y_i ),   s_i = sum_j a_ij x_j in float32
-
-alpha and beta are rounded to float32 once, on the host. Every element is widened to float32
-(exact), each row's products are summed in float32 registers in an order fixed by the shape
-alone (no atomics: the same inputs give the same bits on every run), and the float32 result is
-rounded once, to nearest even, when y_i is stored. README.md counts the roundings on each
-product's way to y_i. The kernels read A once, x once per block (from L2) and y once, and
-write y: (mn + n + 2m) * s bytes at the least, so the time is bounded by that over the memory
-bandwidth. BLAS's corner semantics are compile-time variants: alpha32 == 0 (or n == 0) builds
-no load of A or x, beta32 == 0 no load of y.
-
-How the rows are mapped onto the GPU
-------------------------------------
-A warp reads fast only when its 32 threads touch adjacent addresses, so the threads must be
-laid along A's contiguous dimension. That gives two kernels (README.md, "Two mappings"):
-
-`row_major_kernel`, rows contiguous. A block of 256 threads gives each warp R rows (R = 1 for
-  float32, 2 for 16-bit data: 8 or 16 rows a block), and the warp walks along them together
-  in tiles of 32 V vectors a row (V = 8 float32, 4 16-bit): lane t owns v adjacent elements
-  (one 16-byte vector, v = 16 / element size) in each run of 32 v, so register k of a tile
-  holds element 32 v (k div v) + v t + (k mod v) of each of its rows; the R V vectors (128
-  bytes) are all in flight together. x is read once a tile with the same layout and serves
-  the R rows, so register k of A and of x pair up. Register k adds into the row's lane
-  k mod 16 (LANES_PER_THREAD float32 running sums a row): 2 products per lane and tile, in
-  the order of k. At the end each row's sum is put together level by level: its 16 lanes in
-  the thread (a pairwise tree, 4 levels), then the warp's 32 lanes (shfl.sync.bfly, 5
-  levels). No shared memory, no barrier.
-`column_major_kernel`, columns contiguous. A block owns D 16-byte vectors of each column,
-  one a thread down it, and 32 threads across the columns: D = 8 for float32 (one 128-byte
-  line, 32 rows, 256 threads), D = 16 for 16-bit data (two lines, 128 rows, 512 threads). The
-  thread layout (D, 32):(1, D) makes thread t the pair (t mod D, t div D), taking columns
-  t div D + 32 q of each tile, q < c, with c = 4 for float32 and 8 for 16-bit data (64 or 128
-  bytes in flight a thread; tiles of 128 and 256 columns). Register k holds row k mod v and
-  column slot k div v and adds into lane k mod 16, so the lanes hold each of the v rows in
-  16 / v column slots (4 for float32, 2 for 16-bit, where each lane takes 4 columns a tile).
-  The sum over columns stays in the thread's own registers, with no shuffle. At the end each
-  thread adds its column slots per row (a pairwise tree), the 32 column threads of a row meet
-  in shared memory (one barrier), and one thread per row adds their partial sums (a pairwise
-  tree, 5 levels) and finishes the row.
-
-Common to both:
-* Full tiles of a vector build (A's contiguous dimension has stride 1 and 16-byte aligned
-  starts) load A as 16-byte vectors, one ld.global.v4 each; anything else builds the same
-  kernel with 1-element accesses. The thread-value layout is the same in both builds: only the
-  copy atom changes, so every thread sums the same elements in the same order and y has the
-  same bits for a vector and a strided copy of the same data.
-* Partial tiles (the last columns of a row, the last rows of the matrix) keep the same map but
-  load element by element, each under a predicate from an identity tensor (its coordinate is
-  inside (m, n)); the registers they skip hold 0 and add 0 * 0 = 0 exactly.
-* Split columns: when the row blocks alone leave the GPU idle (column-major 4096 x 4096), the
-  columns are cut into P parts too (`split_columns`), part blockIdx.y of each row block; the
-  blocks store their rows' float32 sums in a (P, m) workspace and `sum_splits_kernel` adds each
-  row's P sums in a fixed pairwise tree and finishes the row. P depends on the shape only.
-* m, n, the strides and the block index are 64-bit, so A may hold 2**31 elements and more; m
-  and n reach the kernel as their own arguments because CuTe DSL 4.8.1 truncates a dynamic
-  shape read back from a tensor to 32 bits.
+    constants, block_geometry   the tiles: a warp per row (row-major), a block down D 16-byte
+                                vectors of each column (column-major)
+    split_columns, part_tiles   how many parts the columns are cut into, and a part's tiles
+    roundings                   README's k for A: the most roundings on one term's way to y_i
+    pairwise_sum, warp_sum      the fixed trees (dot/'s names)
+    add_products                one tile's products into the float32 lanes
+    row_major_kernel            a warp owns whole rows; lanes, then shuffles
+    column_major_kernel         a thread sums down its own columns; shared memory across them
+    sum_splits_kernel           the second pass of a split
+    tiled_copies, launch_gemv   the thread-value layouts and the launch
+    placeholders, build, compile_kernel   compiled once per specialisation, called by TVM-FFI
+    ptx_of, register_coordinates          what the tests read on the CPU
+    gemv                        the launcher
 """
 
 import functools
@@ -76,40 +32,24 @@ WARP_SIZE = 32
 WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
 # The widest load a thread can issue: 128 bits.
 VECTOR_BYTES = 16
-# Float32 running sums per thread, as in dot/cute_impl.py. A thread loads more elements of A per
-# tile than it has lanes (below); register k adds into lane k mod 16.
+# Float32 running sums per thread, as in dot/cute_impl.py; register k adds into lane k mod 16.
 LANES_PER_THREAD = 16
-# Row-major: a warp owns whole rows, so a row's sum needs no shared memory. Each thread loads
-# 128 bytes of A a tile, all in flight together: eight 16-byte vectors of one float32 row (on
-# the H200 at 16384 x 16384, 100-103% of the copy bandwidth), or four of each of two 16-bit
-# rows, which share each x vector and its conversion to float32 (bfloat16: 0.987-0.998x
-# cuBLAS in three H200 sweeps, against 0.982-0.987x for eight vectors of one row; 108
-# registers, two blocks an SM). Two rows of eight vectors (174 registers, one block an SM) ran
-# at 88%, four rows of four at 83%.
+# Row-major: a warp owns whole rows (no shared memory for a row's sum), each thread loading 128
+# bytes of A a tile, all in flight: eight vectors of one float32 row, or four of each of two
+# 16-bit rows, which share each x vector (the fastest in the H200 sweep, README.md "Tuning log").
 ROW_VECTORS_PER_THREAD = {32: 8, 16: 4}  # by element width in bits
 ROWS_PER_WARP = {32: 1, 16: 2}
-# Column-major: a block has 32 threads across the columns and D down each column, one 16-byte
-# vector each: D = 8 for float32 (one 128-byte line of each column, 32 rows, 256 threads),
-# D = 16 for 16-bit data (two lines, 128 rows, 512 threads). The bytes in flight decide the
-# speed: at 16384 x 16384 bfloat16 a thread loading one vector from each of 8 columns (128
-# bytes, 122 registers) ran at 94-96% of the copy bandwidth, 4 columns (64 bytes) at 89%, and
-# half-line blocks of 32 rows at 86-89%. Two lines a block (128 blocks of 512 threads, one an
-# SM, the shape of cuBLAS's kernel) then ran at 0.997-1.001x cuBLAS in two H200 sweeps,
-# against 0.992-0.993x for one line (256 blocks of 256 threads, two an SM). float32 stays at
-# one line and 4 columns (64 bytes): 8 columns would take 152 registers and ran at 90% against
-# 97%, two lines at 96.7% against 97.3%.
+# Column-major: 32 threads across the columns, D down each column, one 16-byte vector each:
+# D = 8 for float32 (a 128-byte line of each column), 16 for 16-bit data (two lines: one
+# 512-thread block an SM, as cuBLAS runs); a thread loads V vectors across, 64 or 128 bytes in
+# flight, the fastest in the H200 sweep (README.md "Tuning log").
 THREADS_ACROSS_COLUMNS = 32
-THREADS_DOWN_A_COLUMN = {32: 8, 16: 16}  # by element width in bits
-COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}
-
-# Splitting the columns. A grid of fewer blocks than fill an H200 at two 256-thread blocks an SM
-# (FILL_THREADS: the occupancy the kernels run at, one block an SM for 512-thread column blocks)
-# has its columns split too, into the most parts, a power of two, that keep the grid within
-# that fill and give each part at least SPLIT_MIN_BYTES of A: block (p, s) stores the float32
-# row sums of part s in a workspace and `sum_splits_kernel` adds each row's parts in a fixed
-# pairwise tree and finishes the row. Constants rather than the device's SM count, so that the
-# parts, and with them the bits of y, depend only on the shape. At most MAX_SPLITS parts (a
-# tree of at most 6 levels, one register per part in the second pass).
+THREADS_DOWN_A_COLUMN = {32: 8, 16: 16}  # D by element width in bits
+COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}  # V by element width in bits
+# The split (split_columns): fill FILL_THREADS, two 256-thread blocks for each of the H200's 132
+# SMs (the occupancy the kernels run at), a constant so that the bits of y depend on the shape
+# alone; a part must stream SPLIT_MIN_BYTES of A to outlast the second pass's start; at most
+# MAX_SPLITS parts (a tree of 6 levels, one register a part in the second pass).
 FILL_THREADS = 2 * 132 * THREADS_PER_BLOCK
 SPLIT_MIN_BYTES = 128 * 1024
 MAX_SPLITS = 64
@@ -169,6 +109,28 @@ def split_columns(m, n, dtype, layout):
     )
     splits = 1 << (most.bit_length() - 1) if most > 1 else 1
     return splits, -(-tiles // splits)
+
+
+def roundings(A):
+    """README.md's k for the kernel gemv runs on A (n > 0): the most roundings on one term
+    alpha a_ij x_j's way to y_i. A thread loads V vectors of v elements a tile and adds register
+    k into lane k mod L (L = LANES_PER_THREAD), so each lane takes F = V v / L products a tile
+    in series: F t - 1 additions over the t tiles of its part, after the product's own rounding
+    (float32 data only; 16-bit products are exact). Then the trees: row-major, log2(L) levels
+    in the thread and log2(WARP_SIZE) shuffle levels (warp_sum); column-major, log2(L / v)
+    column slots in the thread and log2(THREADS_ACROSS_COLUMNS) levels over the row's partial
+    sums; then log2(splits) levels over the parts, alpha * sum and the addition of beta * y_i."""
+    (m, n), width = A.shape, A.element_size() * 8
+    layout, v = mapping(A), elems_per_vector(width)
+    if layout == "row":
+        vectors, trees = ROW_VECTORS_PER_THREAD[width], [LANES_PER_THREAD, WARP_SIZE]
+    else:
+        vectors = COLUMN_VECTORS_PER_THREAD[width]
+        trees = [LANES_PER_THREAD // v, THREADS_ACROSS_COLUMNS]
+    splits, tiles = split_columns(m, n, A.dtype, layout)
+    product = 1 if width == 32 else 0
+    levels = sum(size.bit_length() - 1 for size in [*trees, splits])
+    return product + (vectors * v // LANES_PER_THREAD * tiles - 1) + levels + 2
 
 
 def part_tiles(n, tile_columns, tiles_per_split):

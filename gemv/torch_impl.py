@@ -1,20 +1,11 @@
-"""gemv: y = alpha*A*x + beta*y with PyTorch, the way a researcher writes it.
+"""gemv, y = alpha*A*x + beta*y, with PyTorch, the way a researcher writes it: one
+`Tensor.addmv_` (cuBLAS on the GPU, MKL or ATen's loops on the CPU). README.md, "The mapping
+onto the GPU", torch_impl.py, says what it computes in which precision and why the bound takes
+any order of float32 additions.
 
-`Tensor.addmv_` hands the whole update to a BLAS in one call: cuBLAS on the GPU (cublasSgemv
-for float32; for float16 and bfloat16 a cuBLAS GEMM with one column, computing in float32), on
-the CPU MKL's sgemv for float32 and ATen's own loops for the 16-bit types. It already ignores
-y when beta == 0. BLAS says that alpha == 0 leaves A and x unread, but not every backend is
-BLAS, so that case takes its own path here: y = beta*y without touching A or x.
-
-Measured on the CPU (torch 2.13): every path accumulates in float32. Two things the call does
-that the contract does not allow are routed around here. For the 16-bit types addmv rounds
-alpha and beta to the storage dtype (1e5 overflows float16 with a RuntimeError, 1e-8 becomes 0),
-so a scalar the dtype does not hold exactly takes a float32 copy of the operands instead
-(`held_exactly`). And BLAS takes strides as 32-bit integers: cuBLAS refuses a leading dimension
-of 2**31 - 1 or more and a vector step of 0, so such operands are copied first (`blas_operand`).
-On the GPU torch lets cuBLAS reduce split-K partial sums of 16-bit GEMMs in the 16-bit dtype
-(its allow_bf16/fp16_reduced_precision_reduction flags are on by default). The summation order
-is the library's own and undocumented; README.md bounds it accordingly.
+    held_exactly    whether a 16-bit addmv may take the scalar (it converts it to the dtype)
+    blas_operand    a copy of an operand whose strides a BLAS call refuses
+    gemv            alpha == 0 on its own path (A and x unread), else addmv
 """
 
 import struct

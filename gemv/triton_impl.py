@@ -1,45 +1,16 @@
-"""gemv: y = alpha*A*x + beta*y as a Triton kernel with two tile shapes, and a TMA kernel.
+"""gemv, y = alpha*A*x + beta*y, in Triton: README.md, "The mapping onto the GPU", triton_impl.py.
 
-    y_i = alpha * sum_j a_ij x_j + beta * y_i
-
-Program p owns BLOCK_M consecutive rows of A and walks along them, BLOCK_N columns at a step.
-It keeps a float32 running sum for every position of the tile, its lanes: step s adds
-a_ij x_j into lane (i, j mod BLOCK_N), so the BLOCK_N lanes of a row are independent sums and
-a tile's products are added side by side rather than in one chain. After the last step
-`pairwise_sum_rows` folds each row's lanes into one sum with a fixed tree, and the row is
-finished in float32 registers, alpha * sum + beta * y_i, and rounded once when y_i is stored.
-No program needs another's result, so there are no atomics and every addition is fixed by the
-shape: the same inputs give the same bits on every run.
-
-What differs between a row-major and a column-major A is only the tile's shape, because a
-warp reads fast only when its threads touch adjacent addresses (README.md, "Two mappings"):
-
-row-major    the rows are contiguous: a wide tile, 16 rows by 1 KiB (float32) or 2 KiB (16-bit)
-             of each row, read as runs of 16-byte vectors; the lanes of a row sit in
-             different threads and the final tree crosses them.
-column-major the columns are contiguous: a tall tile, 32 rows (one 128-byte cache line of each
-             float32 column, half a line of 16-bit data) by 128 columns; each thread holds a
-             few rows of several columns, so most of its accumulation is over columns inside
-             its own registers.
-
-Triton picks which threads hold which elements from the strides it sees (a stride of 1 is
-specialised at compile time), so one kernel, `gemv_kernel`, serves both.
-
-A column-major A whose start and column stride are multiples of 16 bytes (the common case, the
-transpose of a contiguous matrix with m a multiple of 8 or 4) takes `gemv_tma_kernel` instead:
-the same sums in the same order, but its tiles, BLOCK_N whole columns of 64 rows, are fetched
-into shared memory by the TMA unit (Hopper's tensor memory accelerator), and the compiler's
-software pipeline keeps three of them in flight while a fourth is summed. Loads into registers
-hold only as many bytes in flight as there are registers to land them in; at 16384 x 16384
-bfloat16 the pointer kernel reached 83% of the copy bandwidth and the TMA kernel 93%, 95.5%
-once its lanes were folded in halves (README.md). `tile_shape(A)` gives the tile of the kernel
-A takes.
-
-A matrix of few row blocks (column-major 4096 x 4096: 64 TMA programs for 132 SMs) would leave
-most of the GPU idle, so the columns are split too (`split_columns`): program (p, s) sums part s
-of its rows' columns and stores the float32 row sums of that part in a workspace, and
-`sum_splits_kernel` adds each row's parts in a fixed pairwise tree and finishes the row. The
-parts depend on (m, n) and the dtype alone, so the bits do too.
+TILES, TMA_TILES        the tile of each kernel by layout and element size
+mapping, tma_reads      which kernel A takes (row-major, column-major pointer, column-major TMA)
+split_columns           how many parts the columns are cut into when the row blocks alone
+                        leave the GPU idle
+roundings               README's k for A: the most roundings on one term's way to y_i
+pairwise_sum_rows       the fixed tree over a row's lanes
+gemv_kernel             pointer loads, one tile shape per layout
+gemv_tma_kernel         column-major A through the TMA unit, software-pipelined
+sum_splits_kernel       the second pass of a split: each row's parts in a fixed tree
+patch_triton_interpreter  Triton 3.6's CPU interpreter under numpy 2.4 (TRITON_INTERPRET=1)
+gemv                    the launcher
 """
 
 import contextlib
@@ -53,40 +24,25 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reference import check_operands, to_float32
 
-# (BLOCK_M, BLOCK_N, num_warps) per mapping and element size in bytes.
-# float32: 16 KiB of A per program and step over 8 warps, 64 bytes (four 16-byte loads) per
-# thread in flight, the lanes (16 float32 per thread) in registers: 48 (column) to 62 (row)
-# registers a thread (ptxas on the sm_90 PTX). Row-major tiles are 16 rows (m = 16384 makes 1024
-# programs for the H200's 132 SMs), column-major ones 32 rows (512 programs).
-# 16-bit data: picked by timing candidates at 16384 x 16384 bfloat16 on the H200 (README.md).
-# Row-major: 16 x 1024, 32 KiB a step, 128 bytes a thread in flight (96.7% of the copy
-# bandwidth, against 95.2% for 16 x 512). Column-major: the wave count decides. 32 x 256 over 8
-# warps needs 80 registers a thread, so 3 programs fit on an SM: 396 at a time for 512, a second
-# wave with most SMs idle (75.7%); 32 x 128 over 4 warps keeps 64 bytes a thread in flight and
-# fits 6 programs of 128 threads on an SM, so all 512 run at once (86.5%).
+# (BLOCK_M, BLOCK_N, num_warps) of gemv_kernel by mapping and element size in bytes. Row-major
+# tiles are wide (a warp reads 512 contiguous bytes of a row), column-major ones tall (each
+# column's part is a 128-byte line of float32, half a line of 16-bit data); float32 moves 16 KiB
+# a step, 64 bytes a thread in flight; the 16-bit tiles won a sweep on the H200 (README.md,
+# "Tuning log").
 TILES = {
     ("row", 4): (16, 256, 8),
     ("row", 2): (16, 1024, 8),
     ("col", 4): (32, 128, 8),
-    ("col", 2): (32, 128, 4),
+    ("col", 2): (32, 128, 4),  # 4 warps: all 512 programs of m = 16384 fit on the chip at once
 }
-
-
-# Column-major A that the TMA unit can read (below): (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# by element size, picked by timing candidates at 16384 x 16384 on the H200 (README.md). A tile
-# is BLOCK_N whole columns of BLOCK_M rows (128 bytes of each 16-bit column, 256 of float32);
-# num_stages - 1 tiles are in flight while one is summed. bfloat16 64 x 128: 93% of the copy
-# bandwidth with 4 stages, 88% with 3, 92% with 5 or 6, 75% over 8 warps; float32 64 x 64: 99%,
-# 32 x 128: 97.5%. Both take 2 programs an SM at m = 16384 (256 in all), 48 KiB of shared
-# memory each.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of gemv_tma_kernel by element size: BLOCK_N whole
+# columns of 64 rows (a line of each 16-bit column, two of float32), 16 KiB a stage, 3 stages in
+# flight while one is summed; the fastest in the H200 sweep (README.md, "Tuning log").
 TMA_TILES = {4: (64, 64, 4, 4), 2: (64, 128, 4, 4)}
-# Splitting the columns. A grid of fewer programs than FILL_PROGRAMS, about two for each of the
-# H200's 132 SMs (what the tiles were tuned with: 256 TMA programs at m = 16384), has its columns
-# split into the most parts, a power of two, that keep the grid within FILL_PROGRAMS and give
-# each part at least SPLIT_MIN_BYTES of A: a part's stream must outlast the second pass's start.
-# A constant rather than the device's SM count, so that the parts, and with them the bits of y,
-# depend only on the shape. At most MAX_SPLITS parts: sum_splits_kernel's tree has at most
-# log2(MAX_SPLITS) levels and its SUM_BLOCK_M x MAX_SPLITS tile stays in registers.
+# The split (split_columns): fill FILL_PROGRAMS, two programs for each of the H200's 132 SMs (the
+# occupancy the tiles were tuned at), a constant so that the bits of y depend on the shape alone;
+# a part must stream SPLIT_MIN_BYTES of A to outlast the second pass's start; at most MAX_SPLITS
+# parts, so that sum_splits_kernel's SUM_BLOCK_M x MAX_SPLITS tile stays in registers.
 FILL_PROGRAMS = 2 * 132
 SPLIT_MIN_BYTES = 128 * 1024
 MAX_SPLITS = 64
@@ -138,6 +94,18 @@ def split_columns(m, n, block_m, block_n, element_size):
 def column_split(A):
     """(splits, column steps per split) of the kernels gemv runs on A: what the bound needs."""
     return split_columns(*A.shape, *tile_shape(A), A.element_size())
+
+
+def roundings(A):
+    """README.md's k for the kernels gemv runs on A (n > 0): the most roundings on one term
+    alpha a_ij x_j's way to y_i. One for the product of two float32 numbers (none for 16-bit
+    data, exact in float32), one per further column step of its part added into a lane,
+    log2(BLOCK_N) levels of pairwise_sum_rows, log2(splits) levels of sum_splits_kernel's tree,
+    and two for alpha * sum and the addition of beta * y_i."""
+    _, block_n = tile_shape(A)
+    splits, steps = column_split(A)
+    product = 1 if A.element_size() == 4 else 0
+    return product + (steps - 1) + (block_n.bit_length() - 1) + (splits.bit_length() - 1) + 2
 
 
 @triton.jit

@@ -1,56 +1,14 @@
-"""geru in the CuTe DSL: A = A + alpha * x * y^T.
+"""geru, A = A + alpha * x * y^T, in the CuTe DSL: README.md, "The mapping onto the GPU",
+cute_impl.py, draws the thread-value layout.
 
-The math
---------
-    a_ij <- round_to_dtype( fl32( fl32(alpha32 * x_i) * y_j + a_ij ) )
-
-alpha is rounded to float32 once, on the host (alpha32). Every element is widened to float32
-(exact), the product and the sum are float32 (the compiler fuses them into one fma.rn.f32, which
-skips a rounding and stays inside README.md's bound), and the result is rounded once, to nearest
-even, by the conversion back to the storage dtype before the store. The kernel reads and writes
-each element of A once and reads x and y once per tile: 2mn + a little elements of traffic, and
-the time is bounded by 2*m*n*s / (memory bandwidth), s bytes per element. alpha32 == 0 launches
-nothing: x and y are not read and A keeps its bits.
-
-How the loops over i and j are mapped onto the GPU
---------------------------------------------------
-* The kernel sees every matrix as row-major: its rows are the dimension that does not step by
-  one element, its columns the one that does (`reference.fastest_dim`). For a row-major A that
-  is A itself; for a column-major A the launcher hands the kernel the layout of A^T,
-  (n, m) : (stride_an, stride_am), and x and y swap places in the broadcast layouts below. The
-  kernel's code is the same for both: only layouts change, never the arithmetic, so a row-major
-  A and a column-major copy of it get the same bits.
-* x and y enter as broadcast tensors of A's shape: X = (rows, cols) : (stride_x, 0) gives x_i at
-  every (i, j), Y = (rows, cols) : (0, stride_y) gives y_j. Tiling and partitioning X and Y with
-  the same tiler and thread-value layout as A hands each thread exactly the x_i and y_j of its own
-  elements of A; the stride 0 is a compile-time constant, so the compiler loads each distinct
-  x_i or y_j once per thread, not once per element. The operand that varies along the kernel's
-  rows (y for a row-major A, x for a column-major one) gives a thread v adjacent elements per
-  vector of A: when it is contiguous and 16-byte aligned (and A takes the vector build) it is
-  read with the same 16-byte atom as A, one ld.global.v4 where element accesses cost v loads
-  (8 for 16-bit data); the other operand is one element per row of the thread.
-* A block of 256 threads owns a tile of 8 rows x 1 KiB (256 float32 or 512 16-bit elements).
-  The thread-value (TV) layout: threads (4, 64) : (64, 1), 64 side by side along a row and 4
-  rows of them; values (1, v), each thread v adjacent elements of a row, v = 16 bytes / element
-  size. On each load instruction the 32 threads of a warp touch 32 adjacent 16-byte vectors, 512
-  contiguous bytes of one row (a coalesced access), and the tiled copy repeats the pattern over
-  the tile: two vectors per thread, rows r and r + 4.
-* Blocks walk the tiles in row order (tile (r, c) is block r * tiles_per_row + c), so the blocks
-  resident at a time sweep A in address order; the grid is 1-D, whose limit is 2**31 - 1 blocks
-  (a 2-D grid's second dimension stops at 65535).
-* Rows whose elements are contiguous and start on 16-byte boundaries (A's address 16-byte
-  aligned, its row stride a multiple of v) are moved as 16-byte vectors: one 128-bit
-  ld.global/st.global per vector, with the column stride the compile-time constant 1 and the
-  row stride promised divisible by v (`cute.assume`), which is what lets CuTe prove every vector
-  aligned. Anything else (sliced rows, both strides above 1) compiles the same kernel with
-  1-element accesses, at any stride.
-* Tiles that lie inside A are updated without a bounds check. Edge tiles, those that hang over
-  the last row or column, keep the same thread-to-element map but move element by element, each
-  guarded by a predicate (its coordinate, read from an identity tensor, is < (rows, cols)): CuTe
-  predicates a whole copy atom, so a predicated copy must move one element per atom. The loads of
-  x and y in an edge tile are guarded by the same predicates, so nothing outside x, y or A is read.
-* Indices reach 2**31 and beyond: rows, cols, every stride and the tile coordinates are 64-bit
-  integers, so every address computed from them is 64-bit.
+constants                    the tile: 8 rows x 1 KiB of the kernel's rows, 256 threads
+load_broadcast, update_tile  one thread's share of a tile: a + (alpha x_i) y_j in float32
+in_bounds_mask, geru_kernel  full tiles as 16-byte vectors, edge tiles element by element
+row_major_layout, launch_geru   A (or A^T) seen as row-major, x and y as broadcast layouts
+placeholders, build, compile_kernel   compiled once per specialisation, called by TVM-FFI
+ptx_of                       the sm_90a PTX that test.py reads
+steps, is_vector_friendly    which build A (and the operand along its rows) can take
+geru                         the launcher
 """
 
 import functools

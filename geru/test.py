@@ -6,7 +6,9 @@ Triton under its interpreter, and the CuTe kernel is compiled for sm_90a and its
 they skip.
 
 Every matrix under test is a view inside a NaN-filled buffer (`matrix_in_guard`): each check
-also makes sure the poison around and between A's elements keeps its bits.
+also makes sure the poison around and between A's elements keeps its bits. Sections: (1) set-up
+and the bound model, (2) the contract over every implementation, (3) Triton's builds (the
+interpreter outside test.py, the PTX), (4) CuTe's builds and PTX, (5) GPU-only sizes.
 """
 
 import functools
@@ -19,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+# ---------------------------------------------------------------------------------------------
+# 1. Set-up and the bound model: README.md's bound as code, its stand-in, its negative controls
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -178,6 +183,72 @@ def check(impl, alpha, x, y, buffer, A, outside):
     assert_same_bits(buffer[outside], poison, "the poison around A")
 
 
+def alias(t):
+    """The elements of t through a second storage that starts at t's first element, as DLPack
+    imports and numpy views make them: unless t starts its own storage, a check by storage
+    identity misses that the two share memory."""
+    other = torch.from_dlpack(t)
+    assert other.untyped_storage().data_ptr() == t.data_ptr()
+    return other
+
+
+def element_addresses(t):
+    """The address of every element of t, in index order, by brute force."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return (t.data_ptr() + offsets.flatten() * t.element_size()).tolist()
+
+
+def test_float64_stand_in_matches_reference():
+    """The float64 torch stand-in used at sizes plain Python cannot reach gives reference.py's
+    bits, special values included."""
+    for dtype in DTYPES:
+        A = torch.randn(37, 61).to(dtype)
+        x, y = torch.randn(37).to(dtype), torch.randn(61).to(dtype)
+        x[:3] = torch.tensor([float("inf"), torch.finfo(dtype).tiny / 8, float("nan")])
+        exact = reference.geru(-0.37, x, y, A)
+        stand_in = float64_stand_in(-0.37, x, y, A)
+        assert_same_bits(stand_in.reshape(-1), exact.reshape(-1), "the float64 stand-in")
+
+
+def test_negative_controls():
+    """The fused bound rejects an element updated with its neighbour's y_j, or updated twice, and
+    it is tight enough to reject torch's extra roundings to bfloat16, which pass torch's bound.
+    alpha = 0.375 is a bfloat16 number, so torch_impl takes addr's 16-bit evaluation."""
+    m, n, alpha = 64, 200, 0.375
+    dtype = torch.bfloat16
+    A, x, y = torch.randn(m, n).to(dtype), torch.randn(m).to(dtype), torch.randn(n).to(dtype)
+    alpha32, (i, j) = reference.to_float32(alpha), (10, 20)
+    # The wrong element must differ from the right one by far more than its bound on every draw:
+    # a random x_i y_j near 0, or y_j near y_{j+1}, made the first two controls pass in about 6%
+    # of draws.
+    x[i], y[j], y[j + 1] = 1.5, 1.25, -1.75
+    exact = reference.geru(alpha, x, y, A)
+    fused_bound = error_bound("triton", alpha, x, y, exact)
+    assert_within_bound(exact.to(dtype), exact, fused_bound)  # the correctly rounded answer
+    neighbour = exact.to(dtype)
+    neighbour[i, j] = A[i, j].double() + alpha32 * x[i].double() * y[j + 1].double()
+    twice = exact.to(dtype)
+    twice[i, j] = A[i, j].double() + 2 * alpha32 * x[i].double() * y[j].double()
+    for wrong in (neighbour, twice):
+        with pytest.raises(AssertionError, match="outside the bound"):
+            assert_within_bound(wrong, exact, fused_bound)
+    # torch's evaluation: alpha*x_i, (alpha*x_i)*y_j and the sum each rounded to bf16.
+    assert torch_impl.held_exactly(alpha32, dtype)
+    alpha_x = (alpha32 * x.float()).to(dtype).float()
+    product = (alpha_x[:, None] * y.float()[None, :]).to(dtype).float()
+    rounded_each_time = (A.float() + product).to(dtype)
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within_bound(rounded_each_time, exact, fused_bound)
+    assert_within_bound(rounded_each_time, exact, error_bound("torch", alpha, x, y, exact))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The contract over every implementation: the reference on fresh data inside a guard,
+#    strided and broadcast vectors, repeatability, corner semantics, bad input
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape, layout", CASES, ids=lambda c: str(c).replace(" ", ""))
@@ -264,6 +335,21 @@ def test_special_values_and_repeatability(impl, dtype, layout):
     assert_same_bits(second, buffer, "a second run")
 
 
+@pytest.mark.parametrize("impl", ["triton", "cute"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_give_the_same_bits(impl, dtype):
+    """The fused kernels do the same arithmetic whichever way their tiles are turned: a
+    row-major A and a column-major copy of it come out with the same bits."""
+    m, n = 37, 300
+    x, y = random_vector(m, dtype), random_vector(n, dtype)
+    _, row_major, _ = matrix_in_guard(m, n, dtype, "row")
+    _, col_major, _ = matrix_in_guard(m, n, dtype, "col")
+    col_major.copy_(row_major)
+    for A in (row_major, col_major):
+        implementation(impl)(0.3, x, y, A)
+    assert_same_bits(col_major.reshape(-1), row_major.reshape(-1), "the column-major result")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -292,40 +378,64 @@ def test_cuda_graph_replays_the_eager_call(impl, dtype, layout):
     assert buffer[outside].isnan().all()
 
 
-@pytest.mark.parametrize("impl", ["triton", "cute"])
+# (alpha, scale of x and y, scale of A): alphas that float16 or bfloat16 cannot hold (1e5
+# overflows float16; 1e-8 and 3e-8 are no 16-bit numbers, 1e-6 a float16 subnormal), with
+# operands scaled so that every term and result stays far inside float16's range.
+UNHELD_ALPHAS = [(1e5, 1e-2, 10.0), (1e-8, 1e3, 1e-2), (1e-6, 100.0, 1e-2), (-3e-8, 1e3, 1e-2)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_layouts_give_the_same_bits(impl, dtype):
-    """The fused kernels do the same arithmetic whichever way their tiles are turned: a
-    row-major A and a column-major copy of it come out with the same bits."""
+@pytest.mark.parametrize("layout", ["row", "col"])
+@pytest.mark.parametrize("scaled", UNHELD_ALPHAS, ids=str)
+def test_alpha_the_dtype_cannot_hold(impl, dtype, layout, scaled):
+    """alpha is a float32 number whatever the storage dtype: it may not be converted to a 16-bit
+    one on the way (torch's addr does that unless routed around)."""
+    alpha, vector_scale, matrix_scale = scaled
     m, n = 37, 300
-    x, y = random_vector(m, dtype), random_vector(n, dtype)
-    _, row_major, _ = matrix_in_guard(m, n, dtype, "row")
-    _, col_major, _ = matrix_in_guard(m, n, dtype, "col")
-    col_major.copy_(row_major)
-    for A in (row_major, col_major):
-        implementation(impl)(0.3, x, y, A)
-    assert_same_bits(col_major.reshape(-1), row_major.reshape(-1), "the column-major result")
+    buffer, A, outside = matrix_in_guard(m, n, dtype, layout)
+    A.mul_(matrix_scale)
+    x, y = random_vector(m, dtype).mul_(vector_scale), random_vector(n, dtype).mul_(vector_scale)
+    check(impl, alpha, x, y, buffer, A, outside)
 
 
-def test_float64_stand_in_matches_reference():
-    """The float64 torch stand-in used at sizes plain Python cannot reach gives reference.py's
-    bits, special values included."""
-    for dtype in DTYPES:
-        A = torch.randn(37, 61).to(dtype)
-        x, y = torch.randn(37).to(dtype), torch.randn(61).to(dtype)
-        x[:3] = torch.tensor([float("inf"), torch.finfo(dtype).tiny / 8, float("nan")])
-        exact = reference.geru(-0.37, x, y, A)
-        stand_in = float64_stand_in(-0.37, x, y, A)
-        assert_same_bits(stand_in.reshape(-1), exact.reshape(-1), "the float64 stand-in")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strides_blas_refuses(impl, dtype):
+    """Valid strides that BLAS's ger refuses (torch's addr is no BLAS call, but every
+    implementation must take them): x of step 0 with m = 1, y of step 0 with n > 1, and an A of
+    one row (or column) whose other stride, 2**31 + 1, has no memory behind it."""
+    n, huge = 37, 2**31 + 1
+    x = random_vector(1, dtype).as_strided((1,), (0,))
+    check(impl, 0.3, x, random_vector(n, dtype), *matrix_in_guard(1, n, dtype, "row"))
+    check(impl, 0.3, random_vector(5, dtype), random_vector(n, dtype, step=0),
+          *matrix_in_guard(5, n, dtype, "row"))  # fmt: skip
+    for shape, strides in (((1, n), (huge, 1)), ((n, 1), (1, huge))):
+        buffer = torch.full((2 * MARGIN + n,), float("nan"), device=DEVICE, dtype=dtype)
+        A = buffer.as_strided(shape, strides, MARGIN).copy_(torch.randn(shape, device=DEVICE))
+        outside = torch.ones(buffer.shape, dtype=torch.bool, device=DEVICE)
+        outside[MARGIN : MARGIN + n] = False
+        x, y = random_vector(shape[0], dtype), random_vector(shape[1], dtype)
+        check(impl, 0.3, x, y, buffer, A, outside)
 
 
-def alias(t):
-    """The elements of t through a second storage that starts at t's first element, as DLPack
-    imports and numpy views make them: unless t starts its own storage, a check by storage
-    identity misses that the two share memory."""
-    other = torch.from_dlpack(t)
-    assert other.untyped_storage().data_ptr() == t.data_ptr()
-    return other
+def test_held_exactly():
+    """torch_impl.held_exactly, which decides whether a 16-bit addr may convert alpha, on the
+    edges of each dtype, and against a round trip through torch on random float32 bits."""
+    cases = [
+        (torch.float16, 1e5, False), (torch.float16, 65504.0, True),
+        (torch.float16, 2.0**-24, True), (torch.float16, 1e-8, False),
+        (torch.float16, 0.1, False), (torch.bfloat16, 1e5, False),
+        (torch.bfloat16, 2.0**-130, True), (torch.bfloat16, 1.0, True),
+        (torch.float32, reference.to_float32(0.1), True), (torch.float32, 1e-45, True),
+    ]  # fmt: skip
+    for dtype, value, held in cases:
+        assert torch_impl.held_exactly(value, dtype) == held, (dtype, value)
+    values = torch.randint(-(2**31), 2**31, (2000,), dtype=torch.int64).int().view(torch.float32)
+    for value in values[~values.isnan()].tolist():
+        for dtype in DTYPES:
+            round_trip = torch.tensor(value).to(dtype).item() == value
+            assert torch_impl.held_exactly(value, dtype) == round_trip, (dtype, value)
 
 
 def bad_inputs():
@@ -372,14 +482,6 @@ def test_bad_input_raises_before_launch(impl, case):
         assert_same_bits(A.reshape(-1), before.reshape(-1), "A after a rejected call")
 
 
-def element_addresses(t):
-    """The address of every element of t, in index order, by brute force."""
-    offsets = torch.zeros((), dtype=torch.int64)
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
-    return (t.data_ptr() + offsets.flatten() * t.element_size()).tolist()
-
-
 def test_elements_collide_is_exact():
     """The gcd rule agrees with a search of every pair of indices, for every shape up to 5 x 5
     and every pair of strides up to 6."""
@@ -424,96 +526,109 @@ def test_overlap_is_judged_by_address():
     assert answers == {"none", "same", "partial"} and interleaved > 0
 
 
-def test_held_exactly():
-    """torch_impl.held_exactly, which decides whether a 16-bit addr may convert alpha, on the
-    edges of each dtype, and against a round trip through torch on random float32 bits."""
-    cases = [
-        (torch.float16, 1e5, False), (torch.float16, 65504.0, True),
-        (torch.float16, 2.0**-24, True), (torch.float16, 1e-8, False),
-        (torch.float16, 0.1, False), (torch.bfloat16, 1e5, False),
-        (torch.bfloat16, 2.0**-130, True), (torch.bfloat16, 1.0, True),
-        (torch.float32, reference.to_float32(0.1), True), (torch.float32, 1e-45, True),
-    ]  # fmt: skip
-    for dtype, value, held in cases:
-        assert torch_impl.held_exactly(value, dtype) == held, (dtype, value)
-    values = torch.randint(-(2**31), 2**31, (2000,), dtype=torch.int64).int().view(torch.float32)
-    for value in values[~values.isnan()].tolist():
-        for dtype in DTYPES:
-            round_trip = torch.tensor(value).to(dtype).item() == value
-            assert torch_impl.held_exactly(value, dtype) == round_trip, (dtype, value)
+# ---------------------------------------------------------------------------------------------
+# 3. Triton's builds: the interpreter outside test.py, the PTX of both orientations
+
+# A learner's call outside test.py: a fresh Python in this folder, TRITON_INTERPRET=1, no test.py
+# set-up. It loads the operands test.py saved, runs triton_impl.geru on them in place and saves
+# them back: triton_impl itself must make Triton 3.6's interpreter work under numpy 2.4.
+FRESH_INTERPRETER_SCRIPT = """
+import sys
+import torch
+import triton_impl
+calls = torch.load(sys.argv[1])
+for alpha, x, y, A in calls:
+    triton_impl.geru(alpha, x, y, A)
+torch.save(calls, sys.argv[1])
+"""
 
 
-# (alpha, scale of x and y, scale of A): alphas that float16 or bfloat16 cannot hold (1e5
-# overflows float16; 1e-8 and 3e-8 are no 16-bit numbers, 1e-6 a float16 subnormal), with
-# operands scaled so that every term and result stays far inside float16's range.
-UNHELD_ALPHAS = [(1e5, 1e-2, 10.0), (1e-8, 1e3, 1e-2), (1e-6, 100.0, 1e-2), (-3e-8, 1e3, 1e-2)]
+def test_triton_in_a_fresh_interpreter(tmp_path):
+    """triton_impl.geru runs on CPU tensors in a fresh interpreter process and lands within its
+    bound: float32 row-major and bfloat16 column-major (exact bfloat16 conversions), each with
+    full and edge tiles."""
+    calls = []
+    for m, n, dtype, layout in [(19, 517, torch.float32, "row"), (517, 19, torch.bfloat16, "col")]:
+        A = view_in(torch.randn(m * n + 2 * MARGIN).to(dtype), m, n, layout)
+        calls.append((0.3, torch.randn(m).to(dtype), torch.randn(n).to(dtype), A))
+    path = tmp_path / "calls.pt"
+    torch.save(calls, path)
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_INTERPRETER_SCRIPT, str(path)],
+        cwd=HERE, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    for (alpha, x, y, A), (_, _, _, A_hat) in zip(calls, torch.load(path), strict=True):
+        exact = reference.geru(alpha, x, y, A)
+        bound = error_bound("triton", alpha, x, y, exact)
+        assert_within_bound(A_hat, exact, bound, f"fresh interpreter {A.dtype}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+TRITON_BUILDS = [
+    (dtype, rows_contiguous, sizes_divisible)
+    for dtype in DTYPES
+    for rows_contiguous in (True, False)
+    for sizes_divisible in (True, False)
+]
+
+
+@functools.cache
+def triton_ptx():
+    """{build: PTX} from triton_impl.ptx_of for every build. The interpreter's @triton.jit
+    functions cannot be compiled, so under TRITON_INTERPRET=1 one fresh Python without it
+    compiles them all."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return {build: triton_impl.ptx_of(*build) for build in TRITON_BUILDS}
+    builds = [(str(dtype)[6:], rows, divisible) for dtype, rows, divisible in TRITON_BUILDS]
+    program = (
+        "import json, torch, triton_impl\n"
+        f"builds = [(getattr(torch, d), r, s) for d, r, s in {builds}]\n"
+        "print(json.dumps([triton_impl.ptx_of(*build) for build in builds]))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(zip(TRITON_BUILDS, json.loads(done.stdout), strict=True))
+
+
+@pytest.mark.parametrize("build", TRITON_BUILDS, ids=lambda b: f"{b[0]}-rows{b[1]}-div16{b[2]}")
+def test_triton_ptx(build):
+    """One source, both orientations: 128-bit loads and stores of A, and the FMA. With m and n
+    multiples of 16 every tile has them; otherwise the unmasked full tiles still do."""
+    ptx = triton_ptx()[build]
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert "fma.rn.f32" in ptx
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. CuTe's builds and PTX, compiled for sm_90a on the CPU
+
+
+@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", ["row", "col"])
-@pytest.mark.parametrize("scaled", UNHELD_ALPHAS, ids=str)
-def test_alpha_the_dtype_cannot_hold(impl, dtype, layout, scaled):
-    """alpha is a float32 number whatever the storage dtype: it may not be converted to a 16-bit
-    one on the way (torch's addr does that unless routed around)."""
-    alpha, vector_scale, matrix_scale = scaled
-    m, n = 37, 300
-    buffer, A, outside = matrix_in_guard(m, n, dtype, layout)
-    A.mul_(matrix_scale)
-    x, y = random_vector(m, dtype).mul_(vector_scale), random_vector(n, dtype).mul_(vector_scale)
-    check(impl, alpha, x, y, buffer, A, outside)
+@pytest.mark.parametrize("rows_contiguous", [True, False], ids=["row", "col"])
+def test_cute_ptx(dtype, rows_contiguous):
+    """The CuTe kernel builds for sm_90a with 128-bit loads and stores of A on the fast path,
+    in both orientations, and one more 128-bit load when the operand along the rows is read as
+    vectors (its element build has v more 1-element loads instead); the any-stride build has
+    none."""
+    vector = cute_impl.ptx_of(dtype, True, rows_contiguous)
+    along = cute_impl.ptx_of(dtype, True, rows_contiguous, along_vector=True)
+    scalar = cute_impl.ptx_of(dtype, False, rows_contiguous)
+    assert "ld.global.v4" in vector and "st.global.v4" in vector
+    assert "fma.rn.f32" in vector
+    v = cute_impl.VECTOR_BYTES // dtype.itemsize
+    scalar_load = f"ld.global.b{8 * dtype.itemsize}"
+    assert along.count("ld.global.v4") == vector.count("ld.global.v4") + 1
+    assert along.count(scalar_load) == vector.count(scalar_load) - v
+    assert "ld.global.v4" not in scalar and "st.global.v4" not in scalar
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strides_blas_refuses(impl, dtype):
-    """Valid strides that BLAS's ger refuses (torch's addr is no BLAS call, but every
-    implementation must take them): x of step 0 with m = 1, y of step 0 with n > 1, and an A of
-    one row (or column) whose other stride, 2**31 + 1, has no memory behind it."""
-    n, huge = 37, 2**31 + 1
-    x = random_vector(1, dtype).as_strided((1,), (0,))
-    check(impl, 0.3, x, random_vector(n, dtype), *matrix_in_guard(1, n, dtype, "row"))
-    check(impl, 0.3, random_vector(5, dtype), random_vector(n, dtype, step=0),
-          *matrix_in_guard(5, n, dtype, "row"))  # fmt: skip
-    for shape, strides in (((1, n), (huge, 1)), ((n, 1), (1, huge))):
-        buffer = torch.full((2 * MARGIN + n,), float("nan"), device=DEVICE, dtype=dtype)
-        A = buffer.as_strided(shape, strides, MARGIN).copy_(torch.randn(shape, device=DEVICE))
-        outside = torch.ones(buffer.shape, dtype=torch.bool, device=DEVICE)
-        outside[MARGIN : MARGIN + n] = False
-        x, y = random_vector(shape[0], dtype), random_vector(shape[1], dtype)
-        check(impl, 0.3, x, y, buffer, A, outside)
-
-
-def test_negative_controls():
-    """The fused bound rejects an element updated with its neighbour's y_j, or updated twice, and
-    it is tight enough to reject torch's extra roundings to bfloat16, which pass torch's bound.
-    alpha = 0.375 is a bfloat16 number, so torch_impl takes addr's 16-bit evaluation."""
-    m, n, alpha = 64, 200, 0.375
-    dtype = torch.bfloat16
-    A, x, y = torch.randn(m, n).to(dtype), torch.randn(m).to(dtype), torch.randn(n).to(dtype)
-    alpha32, (i, j) = reference.to_float32(alpha), (10, 20)
-    # The wrong element must differ from the right one by far more than its bound on every draw:
-    # a random x_i y_j near 0, or y_j near y_{j+1}, made the first two controls pass in about 6%
-    # of draws.
-    x[i], y[j], y[j + 1] = 1.5, 1.25, -1.75
-    exact = reference.geru(alpha, x, y, A)
-    fused_bound = error_bound("triton", alpha, x, y, exact)
-    assert_within_bound(exact.to(dtype), exact, fused_bound)  # the correctly rounded answer
-    neighbour = exact.to(dtype)
-    neighbour[i, j] = A[i, j].double() + alpha32 * x[i].double() * y[j + 1].double()
-    twice = exact.to(dtype)
-    twice[i, j] = A[i, j].double() + 2 * alpha32 * x[i].double() * y[j].double()
-    for wrong in (neighbour, twice):
-        with pytest.raises(AssertionError, match="outside the bound"):
-            assert_within_bound(wrong, exact, fused_bound)
-    # torch's evaluation: alpha*x_i, (alpha*x_i)*y_j and the sum each rounded to bf16.
-    assert torch_impl.held_exactly(alpha32, dtype)
-    alpha_x = (alpha32 * x.float()).to(dtype).float()
-    product = (alpha_x[:, None] * y.float()[None, :]).to(dtype).float()
-    rounded_each_time = (A.float() + product).to(dtype)
-    with pytest.raises(AssertionError, match="outside the bound"):
-        assert_within_bound(rounded_each_time, exact, fused_bound)
-    assert_within_bound(rounded_each_time, exact, error_bound("torch", alpha, x, y, exact))
+# ---------------------------------------------------------------------------------------------
+# 5. GPU-only sizes
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a matrix of 2**31 elements needs a GPU (4 GiB in bf16)")
@@ -565,64 +680,6 @@ def test_leading_dimension_past_32_bits(impl, layout):
     finally:
         del A, buffer
         torch.cuda.empty_cache()
-
-
-TRITON_BUILDS = [
-    (dtype, rows_contiguous, sizes_divisible)
-    for dtype in DTYPES
-    for rows_contiguous in (True, False)
-    for sizes_divisible in (True, False)
-]
-
-
-@functools.cache
-def triton_ptx():
-    """{build: PTX} from triton_impl.ptx_of for every build. The interpreter's @triton.jit
-    functions cannot be compiled, so under TRITON_INTERPRET=1 one fresh Python without it
-    compiles them all."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return {build: triton_impl.ptx_of(*build) for build in TRITON_BUILDS}
-    builds = [(str(dtype)[6:], rows, divisible) for dtype, rows, divisible in TRITON_BUILDS]
-    program = (
-        "import json, torch, triton_impl\n"
-        f"builds = [(getattr(torch, d), r, s) for d, r, s in {builds}]\n"
-        "print(json.dumps([triton_impl.ptx_of(*build) for build in builds]))"
-    )
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", program], cwd=HERE, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return dict(zip(TRITON_BUILDS, json.loads(done.stdout), strict=True))
-
-
-@pytest.mark.parametrize("build", TRITON_BUILDS, ids=lambda b: f"{b[0]}-rows{b[1]}-div16{b[2]}")
-def test_triton_ptx(build):
-    """One source, both orientations: 128-bit loads and stores of A, and the FMA. With m and n
-    multiples of 16 every tile has them; otherwise the unmasked full tiles still do."""
-    ptx = triton_ptx()[build]
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
-    assert "fma.rn.f32" in ptx
-
-
-@pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows_contiguous", [True, False], ids=["row", "col"])
-def test_cute_ptx(dtype, rows_contiguous):
-    """The CuTe kernel builds for sm_90a with 128-bit loads and stores of A on the fast path,
-    in both orientations, and one more 128-bit load when the operand along the rows is read as
-    vectors (its element build has v more 1-element loads instead); the any-stride build has
-    none."""
-    vector = cute_impl.ptx_of(dtype, True, rows_contiguous)
-    along = cute_impl.ptx_of(dtype, True, rows_contiguous, along_vector=True)
-    scalar = cute_impl.ptx_of(dtype, False, rows_contiguous)
-    assert "ld.global.v4" in vector and "st.global.v4" in vector
-    assert "fma.rn.f32" in vector
-    v = cute_impl.VECTOR_BYTES // dtype.itemsize
-    scalar_load = f"ld.global.b{8 * dtype.itemsize}"
-    assert along.count("ld.global.v4") == vector.count("ld.global.v4") + 1
-    assert along.count(scalar_load) == vector.count(scalar_load) - v
-    assert "ld.global.v4" not in scalar and "st.global.v4" not in scalar
 
 
 if __name__ == "__main__":

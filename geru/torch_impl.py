@@ -1,16 +1,9 @@
-"""geru: A = A + alpha * x * y^T with PyTorch, the way a researcher writes it.
+"""geru, A = A + alpha * x * y^T, with PyTorch, the way a researcher writes it: one
+`Tensor.addr_`, ATen's elementwise kernel. README.md, "The error bound" and "The mapping onto the
+GPU", torch_impl.py, say how it rounds and why alpha must be held by the dtype.
 
-`A.addr_(x, y, alpha=alpha32)` is ATen's addr kernel, one elementwise pass over A (any strides)
-that evaluates `beta * a_ij + alpha_s * x_i * y_j` with beta = 1 in the storage dtype: on the
-CPU and on the GPU alike, alpha is first converted to that dtype (alpha_s = fl_s(alpha32)), and
-for float16 and bfloat16 each product and the sum is computed in float32 and rounded back to 16
-bits. The conversion of alpha is not a rounding the contract allows (1e5 overflows float16 with
-a RuntimeError, 1e-8 becomes 0), so an alpha the dtype does not hold exactly takes float32
-copies of the operands instead (`held_exactly`), and the conversion changes nothing otherwise.
-What remains is two roundings to the storage dtype more than the fused kernels make, and
-README.md bounds them. alpha == 0 takes its own
-path, so that x and y are never touched and A keeps its bits: addr would compute 0 * x_i * y_j,
-NaN for an infinite x_i.
+    held_exactly    whether a 16-bit addr may take alpha (it converts it to the dtype)
+    geru            alpha == 0 on its own path (x and y unread, A kept), else addr
 """
 
 import struct

@@ -1,18 +1,13 @@
-"""geru: A = A + alpha * x * y^T as a Triton kernel.
+"""geru, A = A + alpha * x * y^T, in Triton: README.md, "The mapping onto the GPU",
+triton_impl.py.
 
-    a_ij <- fl_s( fl32( fl32(alpha32 * x_i) * y_j + a_ij ) )
-
-A is cut into tiles of BLOCK_M x BLOCK_N elements and program `pid` of a 1-D grid owns one tile:
-it loads its BLOCK_M elements of x once and scales them by alpha, loads its BLOCK_N elements of
-y once, and updates the tile with one multiply-add per element (the compiler fuses it into an
-FMA), in float32 registers, rounding once at the store. Every element of A is read and written
-once, x and y once per tile: 2mn elements of traffic plus a little, the minimum.
-
-The tile's long side follows the dimension in which A is contiguous (`reference.fastest_dim`):
-8 rows x 1 KiB for a row-major A, 1 KiB x 8 columns for a column-major one. Triton specialises a
-stride equal to 1 into a constant and lays the threads of each warp along the dimension whose
-pointers it then sees as contiguous, so the same source gives 16-byte vector accesses in both
-orientations. README.md explains why the tile must be oriented with the data.
+TILE_CONTIGUOUS_BYTES, TILE_ACROSS, NUM_WARPS   the tile: 1 KiB along A's contiguous
+                                                dimension, 8 lines across it
+update_tile, geru_kernel     one program per tile: a + (alpha x_i) y_j in float32, one store
+patch_triton_interpreter     Triton 3.6's CPU interpreter under numpy 2.4 (TRITON_INTERPRET=1)
+TILES, tile_shape            the tile turned to follow reference.fastest_dim(A)
+ptx_of                       the sm_90 PTX, compiled on the CPU, that test.py reads
+geru                         the launcher
 """
 
 import contextlib
@@ -24,11 +19,9 @@ import triton.language as tl
 
 from reference import check_operands, fastest_dim, to_float32
 
-# The tile: 1 KiB along the contiguous dimension (256 float32 or 512 16-bit elements: 64 threads
-# of 16-byte vectors, two warps side by side), 8 rows or columns across it. 8 KiB of A per
-# program over 8 warps is two 16-byte vectors per thread, between the 4 KiB (one vector) that
-# measured best for the BLAS-1 kernels and a taller tile that would reload y less often; at
-# 16384 x 16384 float32 it is 131072 programs, some 124 waves of the H200's 132 SMs.
+# The tile: 1 KiB along the contiguous dimension (64 threads of one 16-byte vector), 8 lines
+# across it; 8 KiB over 8 warps is two vectors a thread, so x and y are reloaded once per 8 KiB
+# (README.md, "Tuning log").
 TILE_CONTIGUOUS_BYTES = 1024
 TILE_ACROSS = 8
 NUM_WARPS = 8
