@@ -110,12 +110,14 @@ def autograd_function(forward, backward, reduce):
     return CrossEntropyFunction
 
 
-def traceable_cross_entropy(name, forward, backward, reduce):
+def traceable_cross_entropy(name, forward, backward, reduce, eager=None):
     """cross_entropy(logits, target, ...) over an implementation's plain functions, registered as
     the custom ops kernel_course::cross_entropy_<name>_{forward,backward}: torch.compile sees an
     opaque call with a known output (register_fake) and a backward it can put in its graph. The
     compiled path never writes in place (a custom op that mutates its input would have to say
-    so to the compiler); in_place_backward applies to eager calls."""
+    so to the compiler); in_place_backward applies to eager calls, which go to
+    eager(logits, target, ignore_index, label_smoothing, reduction, in_place) (by default the
+    autograd.Function over the three functions)."""
     fns = (forward, backward, reduce)
     prefix = f"kernel_course::cross_entropy_{name}"
 
@@ -156,7 +158,7 @@ def traceable_cross_entropy(name, forward, backward, reduce):
         return backward_op(logits, target, lse, grad, *ctx.options), None, None, None, None
 
     forward_op.register_autograd(backward_of_forward_op, setup_context=save_inputs)
-    eager = autograd_function(forward, backward, reduce)
+    eager = eager or autograd_function(forward, backward, reduce).apply
 
     def cross_entropy(
         logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -167,9 +169,7 @@ def traceable_cross_entropy(name, forward, backward, reduce):
         custom op's Python dispatch costs tens of microseconds a call)."""
         if torch.compiler.is_compiling():
             return forward_op(logits, target, ignore_index, float(label_smoothing), reduction)[0]
-        return eager.apply(
-            logits, target, ignore_index, label_smoothing, reduction, in_place_backward
-        )
+        return eager(logits, target, ignore_index, label_smoothing, reduction, in_place_backward)
 
     return cross_entropy
 
