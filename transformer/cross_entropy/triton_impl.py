@@ -40,7 +40,12 @@ from reference import (
     check_reduction,
     check_target_range,
 )
-from torch_impl import CrossEntropyLossModule, autograd_function, traceable_cross_entropy
+from torch_impl import (
+    CrossEntropyLossModule,
+    autograd_function,
+    fused_when_differentiated,
+    traceable_cross_entropy,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(v) = exp2(v log2 e); rounded to float32
 LN2 = tl.constexpr(0.6931471805599453)  # log(S) = log2(S) ln 2
@@ -454,47 +459,11 @@ def scale_gradient(dlogits, target, grad, ignore_index):
     return dlogits
 
 
-class FusedCrossEntropyFunction(torch.autograd.Function):
-    """The loss with its gradient computed in the forward (`cross_entropy_fused`); the backward
-    only scales it by the incoming gradient. With in_place the gradient overwrites the logits
-    in the forward already: right only when nothing else reads them afterwards."""
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, in_place):
-        rows = lambda: torch.empty(logits.shape[0], device=logits.device)  # noqa: E731
-        dlogits = logits if in_place else torch.empty_like(logits)
-        out, _, dlogits = cross_entropy_fused(
-            logits, target, ignore_index, label_smoothing, reduction, rows(), rows(), dlogits
-        )
-        ctx.save_for_backward(dlogits.detach(), target)
-        ctx.ignore_index, ctx.scaled = ignore_index, False
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.scaled:  # the gradient was scaled in place: a second pass would scale it twice
-            raise RuntimeError("the fused cross-entropy's backward runs once (no retain_graph)")
-        ctx.scaled = True
-        dlogits, target = ctx.saved_tensors
-        return scale_gradient(dlogits, target, grad, ctx.ignore_index), None, None, None, None, None
-
-
 CrossEntropyFunction = autograd_function(cross_entropy_forward, cross_entropy_backward, reduce_loss)
-
-
-def fused_when_differentiated(logits, target, ignore_index, label_smoothing, reduction, in_place):
-    """The eager path: the fused pass when autograd will want the gradient, else the forward
-    kernel alone, outside autograd (its bookkeeping is host time for nothing)."""
-    options = (ignore_index, label_smoothing, reduction)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return FusedCrossEntropyFunction.apply(logits, target, *options, in_place)
-    rows = lambda: torch.empty(logits.shape[0], device=logits.device)  # noqa: E731
-    return cross_entropy_fused(logits, target, *options, rows(), rows(), None)[0]
-
-
 cross_entropy = traceable_cross_entropy(
-    "triton", cross_entropy_forward, cross_entropy_backward, reduce_loss, fused_when_differentiated
-)
+    "triton", cross_entropy_forward, cross_entropy_backward, reduce_loss,
+    fused_when_differentiated(cross_entropy_fused, scale_gradient),
+)  # fmt: skip
 
 
 class CrossEntropyLoss(CrossEntropyLossModule):
