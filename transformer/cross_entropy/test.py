@@ -908,18 +908,32 @@ def test_large_vocabulary(impl, m, n):
     fns.cross_entropy_forward(x, target, -100, eps, loss, lse)
     dloss = torch.randn(m, device=DEVICE)
     dx = fns.cross_entropy_backward(x, target, lse, dloss, -100, eps, torch.empty_like(x))
+    assert_sampled_rows(impl, x, target, eps, loss, lse, dloss, dx)
+
+
+@gpu_only
+@pytest.mark.parametrize("m, n", [(64, 262144), (33, 131071), PAST_2_31])
+def test_fused_large_vocabulary(m, n):
+    """The fused kernel at the same sizes, checked on the same few rows."""
+    x, target = random_logits(m, n, torch.bfloat16), random_targets(m, n)
+    loss, lse, dx = (
+        torch.empty(m, device=DEVICE),
+        torch.empty(m, device=DEVICE),
+        torch.empty_like(x),
+    )
+    triton_impl.cross_entropy_fused(x, target, -100, 0.1, "mean", loss, lse, dx)
+    assert_sampled_rows("triton", x, target, 0.1, loss, lse, fused_dloss(target, "mean"), dx)
+
+
+def assert_sampled_rows(impl, x, target, eps, loss, lse, dloss, dx):
+    """Forward and backward bounds on the first two rows, one in the middle and the last two
+    (the float64 stand-in then needs megabytes, where all of x would need 16 GB)."""
+    m = x.shape[0]
     rows = torch.tensor(sorted({0, 1, m // 2, m - 2, m - 1}), device=DEVICE)
-    sample, sample_target = x[rows], target[rows]
-    exact_loss, exact_lse = float64_forward(sample, sample_target, -100, eps)
-    x64, t = sample.double().cpu(), sample_target.cpu()
-    assert_within_bound(lse[rows], exact_lse, lse_bound(impl, x64, exact_lse), f"{impl} lse")
-    bound = loss_bound(impl, x64, t, exact_lse, exact_loss, -100, eps)
-    assert_within_bound(loss[rows], exact_loss, bound, f"{impl} loss")
-    row_lse, row_dloss = lse[rows], dloss[rows]
-    exact = float64_backward(sample, sample_target, row_lse, row_dloss, -100, eps)
-    args = (x64, t, row_lse.double().cpu(), row_dloss.double().cpu(), exact)
-    bound = backward_bound(*args, -100, eps, torch.bfloat16)
-    assert_within_bound(dx[rows], exact, bound, f"{impl} dlogits")
+    sample, sample_target, row_lse = x[rows], target[rows], lse[rows]
+    assert_forward_within_bound(impl, sample, sample_target, eps, -100, loss[rows], row_lse)
+    args = (sample, sample_target, row_lse, dloss[rows], eps, -100, dx[rows])
+    assert_backward_within_bound(impl, *args)
 
 
 if __name__ == "__main__":
