@@ -281,10 +281,10 @@ def test_matches_reference(impl, dtype, m, n, eps):
 
 @each_impl
 def test_strided_operands(impl):
-    """Logits as a slice of wider rows, a column step, a transpose; loss, lse and dloss strided
-    (dloss a stride-0 broadcast, as the mean's gradient is)."""
+    """Logits as a slice of wider rows, a column step, a transpose; target, loss, lse and dloss
+    strided (dloss a stride-0 broadcast, as the mean's gradient is)."""
     wide = random_logits(5, 3 * 700, torch.bfloat16)
-    target = random_targets(5, 700)
+    target = random_targets(10, 700)[::2]
     for x in (wide[:, 11:711], wide[:, ::3], random_logits(700, 5, torch.bfloat16).t()):
         loss, lse = torch.empty(5, 2, device=DEVICE)[:, 0], torch.empty(5, 3, device=DEVICE)[:, 1]
         check_forward(impl, x, target, 0.1, loss=loss, lse=lse)
@@ -608,9 +608,9 @@ def test_fused_no_rows():
 
 
 def test_fused_strided_operands():
-    """Logits as a slice of wider rows, a column step, a transpose; loss and lse strided; dx a
-    slice of a wider buffer or the transpose's own layout."""
-    wide, target = random_logits(5, 3 * 700, torch.bfloat16), random_targets(5, 700)
+    """Logits as a slice of wider rows, a column step, a transpose; target, loss and lse
+    strided; dx a slice of a wider buffer or the transpose's own layout."""
+    wide, target = random_logits(5, 3 * 700, torch.bfloat16), random_targets(10, 700)[::2]
     for x in (wide[:, 11:711], wide[:, ::3], random_logits(700, 5, torch.bfloat16).t()):
         loss, lse = torch.empty(5, 2, device=DEVICE)[:, 0], torch.empty(5, 3, device=DEVICE)[:, 1]
         for dx in (torch.empty(5, 800, device=DEVICE, dtype=x.dtype)[:, 50:750], None):
@@ -693,7 +693,8 @@ def test_fused_gradient_through_autograd(reduction, dtype):
 def test_scale_gradient_skips_exact_ones():
     """scale_gradient multiplies the rows whose grad is not exactly 1 and leaves the others'
     bits (NaN included) alone; ignored rows stay as they are (the forward wrote zeros)."""
-    dx, target = random_logits(6, 300, torch.bfloat16), random_targets(6, 300, ignored=0.0)
+    dx, target = random_logits(6, 300, torch.bfloat16), random_targets(12, 300, ignored=0.0)
+    target = target[::2]  # a strided target
     dx[0, 5], target[3] = math.nan, -100
     grad = torch.tensor([1.0, 0.5, 1.0, -2.0, 1.0, 3.0], device=DEVICE).to(torch.bfloat16)
     expected = dx.clone()

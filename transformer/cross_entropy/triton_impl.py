@@ -151,12 +151,13 @@ def write_row_gradient(
 
 @triton.jit
 def cross_entropy_forward_kernel(
-    x_ptr, target_ptr, loss_ptr, lse_ptr, n, stride_xm, stride_xn, stride_loss, stride_lse,
-    ignore_index, label_smoothing, inverse_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    x_ptr, target_ptr, loss_ptr, lse_ptr, n, stride_xm, stride_xn, stride_target, stride_loss,
+    stride_lse, ignore_index, label_smoothing, inverse_n, CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr, SMOOTHING: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: M V passes 2**31 at a vocabulary
-    target = tl.load(target_ptr + row)
+    target = tl.load(target_ptr + row * stride_target)
     loss, lse = row_loss_and_lse(
         x_ptr + row * stride_xm, target, target != ignore_index, n, stride_xn, label_smoothing,
         inverse_n, CHUNK, LOG2_CHUNK, GROUP, LOG2_GROUP, SMOOTHING, "",
@@ -167,12 +168,12 @@ def cross_entropy_forward_kernel(
 
 @triton.jit
 def cross_entropy_backward_kernel(
-    x_ptr, target_ptr, lse_ptr, dloss_ptr, dx_ptr, n, stride_xm, stride_xn, stride_lse,
-    stride_dloss, stride_dxm, stride_dxn, ignore_index, smooth_weight, target_weight,
-    CHUNK: tl.constexpr,
+    x_ptr, target_ptr, lse_ptr, dloss_ptr, dx_ptr, n, stride_xm, stride_xn, stride_target,
+    stride_lse, stride_dloss, stride_dxm, stride_dxn, ignore_index, smooth_weight,
+    target_weight, CHUNK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    target = tl.load(target_ptr + row)
+    target = tl.load(target_ptr + row * stride_target)
     write_row_gradient(
         x_ptr + row * stride_xm, dx_ptr + row * stride_dxm, target, target != ignore_index,
         tl.load(lse_ptr + row * stride_lse), tl.load(dloss_ptr + row * stride_dloss), n,
@@ -182,16 +183,16 @@ def cross_entropy_backward_kernel(
 
 @triton.jit
 def cross_entropy_fused_kernel(
-    x_ptr, target_ptr, loss_ptr, lse_ptr, dx_ptr, n, stride_xm, stride_xn, stride_loss,
-    stride_lse, stride_dxm, stride_dxn, ignore_index, label_smoothing, inverse_n, divisor,
-    smooth_weight, target_weight, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    x_ptr, target_ptr, loss_ptr, lse_ptr, dx_ptr, n, stride_xm, stride_xn, stride_target,
+    stride_loss, stride_lse, stride_dxm, stride_dxn, ignore_index, label_smoothing, inverse_n,
+    divisor, smooth_weight, target_weight, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr, SMOOTHING: tl.constexpr,
 ):  # fmt: skip
     """The forward, then at once the gradient for dloss = 1 / divisor (correctly rounded, as
     the unfused path's g / count for g = 1): the row's second sweep finds what L2 still holds
     of its first (README.md, "The fused path")."""
     row = tl.program_id(0).to(tl.int64)
-    x_row, target = x_ptr + row * stride_xm, tl.load(target_ptr + row)
+    x_row, target = x_ptr + row * stride_xm, tl.load(target_ptr + row * stride_target)
     kept = target != ignore_index
     loss, lse = row_loss_and_lse(
         x_row, target, kept, n, stride_xn, label_smoothing, inverse_n, CHUNK, LOG2_CHUNK,
@@ -207,15 +208,15 @@ def cross_entropy_fused_kernel(
 
 @triton.jit
 def scale_gradient_kernel(
-    dx_ptr, target_ptr, grad_ptr, n, stride_dxm, stride_dxn, stride_grad, ignore_index,
-    CHUNK: tl.constexpr,
+    dx_ptr, target_ptr, grad_ptr, n, stride_dxm, stride_dxn, stride_target, stride_grad,
+    ignore_index, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """dx *= grad in place, row by row, where grad is not exactly 1 (loss.backward()'s grad is):
     then a program reads two scalars and leaves, and the row is never touched. Ignored rows
     stay exact zeros."""
     row = tl.program_id(0).to(tl.int64)
     grad = tl.load(grad_ptr + row * stride_grad).to(tl.float32)
-    if (grad != 1.0) & (tl.load(target_ptr + row) != ignore_index):
+    if (grad != 1.0) & (tl.load(target_ptr + row * stride_target) != ignore_index):
         dx_row, offs = dx_ptr + row * stride_dxm, tl.arange(0, CHUNK).to(tl.int64)
         for chunk in range(0, tl.cdiv(n, CHUNK)):
             cols = chunk * CHUNK + offs
@@ -366,7 +367,7 @@ def launch_rows(logits, target, ignore_index, label_smoothing, loss, lse, dlogit
     """The forward kernel over every row, or with dlogits the fused one (dloss = 1 / divisor)."""
     (m, n), constants = logits.shape, row_constants(logits, label_smoothing)
     operands = (logits, target, loss, lse)
-    strides = (*logits.stride(), loss.stride(0), lse.stride(0))
+    strides = (*logits.stride(), target.stride(0), loss.stride(0), lse.stride(0))
     if m and dlogits is None:
         cross_entropy_forward_kernel[(m,)](
             *operands, n, *strides, ignore_index, label_smoothing, 1.0 / n, **constants
@@ -394,8 +395,8 @@ def cross_entropy_backward(logits, target, lse, dloss, ignore_index, label_smoot
         kept_rows(logits, target, ignore_index)
         if m:
             cross_entropy_backward_kernel[(m,)](
-                logits, target, lse, dloss, dlogits, n, *logits.stride(), lse.stride(0),
-                dloss.stride(0), *dlogits.stride(), ignore_index,
+                logits, target, lse, dloss, dlogits, n, *logits.stride(), target.stride(0),
+                lse.stride(0), dloss.stride(0), *dlogits.stride(), ignore_index,
                 *q_values(label_smoothing, n), CHUNK=chunk_for(n), num_warps=CHUNK_WARPS,
             )  # fmt: skip
     return dlogits
@@ -453,8 +454,8 @@ def scale_gradient(dlogits, target, grad, ignore_index):
         grad = grad.expand(m)  # a 0-dim grad: stride 0
         with on_device_of(dlogits):
             scale_gradient_kernel[(m,)](
-                dlogits, target, grad, n, *dlogits.stride(), grad.stride(0), ignore_index,
-                CHUNK=chunk_for(n), num_warps=CHUNK_WARPS,
+                dlogits, target, grad, n, *dlogits.stride(), target.stride(0), grad.stride(0),
+                ignore_index, CHUNK=chunk_for(n), num_warps=CHUNK_WARPS,
             )  # fmt: skip
     return dlogits
 
