@@ -7,9 +7,11 @@ them needs the GPU: those tests skip and say so).
 """
 
 import ctypes
+import json
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -542,6 +544,60 @@ def test_chunk_and_paths():
     assert triton_impl.chunk_for(1) == 1 and triton_impl.chunk_for(5000) == triton_impl.CHUNK
     assert triton_impl.forward_path(4096) == (2, 13)  # one chunk: exp, combine, 12 tree levels
     assert triton_impl.reduction_path(1024) == 10
+
+
+# Built for sm_90a (pointers, n and the row strides divisible by 16 and unit column strides, as a
+# launch specialises them), in a child process: under TRITON_INTERPRET=1 nothing compiles.
+FUSED_PTX_SCRIPT = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_impl
+
+def counts(element, group, smoothing):
+    kernel = triton_impl.cross_entropy_fused_kernel
+    constexprs = {"stride_xn": 1, "stride_dxn": 1, "CHUNK": 4096, "LOG2_CHUNK": 12,
+                  "GROUP": group, "LOG2_GROUP": group.bit_length() - 1, "SMOOTHING": smoothing}
+    kinds = {"x_ptr": "*" + element, "dx_ptr": "*" + element, "target_ptr": "*i64",
+             "loss_ptr": "*fp32", "lse_ptr": "*fp32", "label_smoothing": "fp32",
+             "inverse_n": "fp32", "divisor": "fp32", "smooth_weight": "fp32",
+             "target_weight": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or name in ("n", "stride_xm", "stride_dxm")}
+    source = ASTSource(kernel, signature, constexprs, aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": triton_impl.CHUNK_WARPS}).asm["ptx"]
+    patterns = {"kept loads": r"ld\\.global\\.L1::evict_last\\.L2::cache_hint\\.v4",
+                "last loads": r"ld\\.global\\.L1::evict_first\\.L2::cache_hint\\.v4",
+                "stores": r"st\\.global\\.L1::evict_first\\.L2::cache_hint\\.v4",
+                "ex2": r"ex2\\.approx", "spills": r"\\.local", "div": r"div\\.rn\\.f32"}
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in patterns.items()}
+
+print(json.dumps({f"{e} {s}": counts(e, g, s) for e, g in (("bf16", 8), ("fp32", 4))
+                  for s in (False, True)}))
+"""
+
+
+def test_fused_kernel_ptx():
+    """The fused kernel as README.md describes it: per thread and chunk, 16 elements in 16-byte
+    loads marked evict_last (the first sweep), the same again marked evict_first (the second)
+    and 16-byte stores marked evict_first; 16 ex2 in the first sweep plus one per group of the
+    thread's for its rescale and one at the final combine, 16 in the second; dloss = 1 / divisor
+    correctly rounded; no spills."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", FUSED_PTX_SCRIPT],
+        cwd=HERE, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    for name, found in json.loads(child.stdout).items():
+        vectors = {"bf16": 2, "fp32": 4}[name.split()[0]]  # 16 elements of 8 or 4 a vector
+        groups = 16 // {"bf16": 8, "fp32": 4}[name.split()[0]]
+        assert found["kept loads"] == found["last loads"] == found["stores"] == vectors, name
+        assert found["ex2"] == 16 + 2 * groups + 16 and found["div"] >= 1, name
+        assert found["spills"] == 0, name
 
 
 # The fused path: the forward that writes the gradient too, and the backward that scales it
