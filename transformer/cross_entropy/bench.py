@@ -6,8 +6,9 @@
 
 Minimal traffic: the forward reads the MV logits (the M targets, losses and lse are noise);
 fwd+bwd counts 3MV, the forward's read, the backward's read and its write of dx (DESIGN.md's
-count for the anchors). A kernel that writes dx inside the forward (Liger, QuACK: the loss is
-the graph's last op) moves 2MV and can show more than 100%. Times are medians of
+count for the anchors). A kernel that writes dx inside the forward (Liger, QuACK, our `triton`
+row: the loss is the graph's last op) moves 2MV to 3MV, as L2 keeps the row, and can show
+more than 100%; `triton.unfused` is the forward and backward kernels apart. Times are medians of
 `triton.testing.do_bench` (L2 flushed before each call) of each pass captured in a CUDA graph
 and replayed: the kernels' time (timed call by call, fwd+bwd was host-bound wherever its GPU
 work was under ~0.5 ms; the per-call rows measure the host). A call that cannot be captured is
@@ -16,8 +17,9 @@ The ceiling is a 1 GiB device-to-device copy of the same run. The library op is
 `F.cross_entropy` (mean over rows; fwd+bwd: its autograd). Anchors, when importable:
 torch.compile of the library op (its result checked first), Liger's LigerCrossEntropyFunction,
 QuACK's cross_entropy; a missing one prints why. Every call of ours reads the targets once on
-the host side (reference.check_forward), which the per-call rows include; a sync, it keeps their
-passes out of a graph (timed eagerly).
+the host side (Triton: `kept_rows`, one kernel and an 8-byte read; torch and CuTe:
+reference.check_forward), which the per-call rows include; a sync, it keeps their passes out
+of a graph (timed eagerly).
 """
 
 import json
@@ -66,10 +68,18 @@ def quack_loss():
     return loss
 
 
+def triton_unfused(logits, target):
+    return triton_impl.CrossEntropyFunction.apply(logits, target, -100, 0.0, "mean", False)
+
+
 def implementations():
     """{impl: differentiable loss(logits, target) -> mean}, anchors included where importable."""
     impls = {"library": F.cross_entropy, "torch": torch_impl.cross_entropy}
+    # triton: the fused forward+backward when a gradient is wanted (README.md, "The fused
+    # path"); triton.unfused: the lesson's first step, forward and backward kernels apart (its
+    # fwd is the same kernel as triton's).
     impls["triton"] = triton_impl.cross_entropy
+    impls["triton.unfused"] = triton_unfused
     try:
         import cute_impl
 
@@ -121,7 +131,7 @@ def copy_ceiling_gbps():
 # capture them, and on the H200 a refused capture left torch's CUDA generator in capture state
 # (the next torch.randn raised), so they are timed eagerly without trying. At the headline
 # shapes a call is 0.5-2 ms of GPU work, so the host does not set the figure.
-HOST_READS = {"torch", "triton", "cute", "liger"}
+HOST_READS = {"torch", "triton", "triton.unfused", "cute", "liger"}
 
 
 def timed_passes(name, loss, logits, target):

@@ -102,17 +102,10 @@ def _check_options(ignore_index, label_smoothing):
         raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
 
 
-def _check_logits_and_target(logits, target, ignore_index, label_smoothing):
-    _check_tensor("logits", logits, 2, SUPPORTED_DTYPES, "an (M, V) matrix")
-    _check_tensor("target", target, 1, TARGET_DTYPES, "an (M,) vector of class indices")
-    if target.shape[0] != logits.shape[0]:
-        raise ValueError(f"target has {target.shape[0]} rows but logits has {logits.shape[0]}")
-    if logits.shape[1] == 0 and logits.shape[0] > 0:
-        raise ValueError("logits has rows of 0 classes: no class can be a target")
-    _check_same_device("logits", logits, (("target", target),))
-    _check_options(ignore_index, label_smoothing)
+def check_target_range(logits, target, ignore_index):
+    """Raise ValueError naming the first target outside [0, V) that is not ignore_index. One
+    read of the targets (a device sync on the GPU): a bad index never reaches a kernel."""
     if target.numel():
-        # One read of the targets (a device sync on the GPU): a bad index never reaches a kernel.
         wrong = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
         if bool(wrong.any()):
             first = int(target[wrong][0])
@@ -122,6 +115,19 @@ def _check_logits_and_target(logits, target, ignore_index, label_smoothing):
             )
 
 
+def _check_logits_and_target(logits, target, ignore_index, label_smoothing, check_range):
+    _check_tensor("logits", logits, 2, SUPPORTED_DTYPES, "an (M, V) matrix")
+    _check_tensor("target", target, 1, TARGET_DTYPES, "an (M,) vector of class indices")
+    if target.shape[0] != logits.shape[0]:
+        raise ValueError(f"target has {target.shape[0]} rows but logits has {logits.shape[0]}")
+    if logits.shape[1] == 0 and logits.shape[0] > 0:
+        raise ValueError("logits has rows of 0 classes: no class can be a target")
+    _check_same_device("logits", logits, (("target", target),))
+    _check_options(ignore_index, label_smoothing)
+    if check_range:
+        check_target_range(logits, target, ignore_index)
+
+
 def _check_row_vector(name, t, m, device):
     _check_tensor(name, t, 1, (torch.float32,), "an (M,) float32 vector")
     if t.shape[0] != m:
@@ -129,24 +135,33 @@ def _check_row_vector(name, t, m, device):
     _check_same_device("logits", torch.empty(0, device=device), ((name, t),))
 
 
-def check_forward(logits, target, ignore_index, label_smoothing, loss, lse):
+def check_forward(logits, target, ignore_index, label_smoothing, loss, lse, check_range=True):
     """Raise TypeError/ValueError, naming the operand, for anything the forward refuses
-    (loss, lse None: the inputs only)."""
-    _check_logits_and_target(logits, target, ignore_index, label_smoothing)
+    (loss, lse None: the inputs only). check_range=False leaves the targets' range to a caller
+    that reads them its own way first (triton_impl.py: one kernel that also counts the rows)."""
+    _check_logits_and_target(logits, target, ignore_index, label_smoothing, check_range)
     outputs = tuple((n, t) for n, t in (("loss", loss), ("lse", lse)) if t is not None)
     for name, t in outputs:
         _check_row_vector(name, t, logits.shape[0], logits.device)
     _check_outputs(outputs, (("logits", logits), ("target", target)))
 
 
-def check_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dlogits):
+def check_backward(
+    logits, target, lse, dloss, ignore_index, label_smoothing, dlogits, check_range=True
+):
     """The same for the backward; dloss may be a broadcast (stride 0) vector, dlogits may be
     logits itself (the gradient overwrites the logits)."""
-    _check_logits_and_target(logits, target, ignore_index, label_smoothing)
+    _check_logits_and_target(logits, target, ignore_index, label_smoothing, check_range)
     for name, t in (("lse", lse), ("dloss", dloss)):
         _check_row_vector(name, t, logits.shape[0], logits.device)
-    if dlogits is None:
-        return
+    if dlogits is not None:
+        inputs = (("logits", logits), ("target", target), ("lse", lse), ("dloss", dloss))
+        check_dlogits(logits, dlogits, inputs)
+
+
+def check_dlogits(logits, dlogits, inputs):
+    """dlogits: logits' dtype and shape, its device, overlapping none of the (name, tensor)
+    inputs but logits itself, exactly (the gradient may overwrite the logits)."""
     _check_tensor("dlogits", dlogits, 2, SUPPORTED_DTYPES, "an (M, V) matrix")
     if dlogits.dtype != logits.dtype or dlogits.shape != logits.shape:
         raise ValueError(
@@ -154,7 +169,6 @@ def check_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dl
             f"{logits.dtype} {tuple(logits.shape)}"
         )
     _check_same_device("logits", logits, (("dlogits", dlogits),))
-    inputs = (("logits", logits), ("target", target), ("lse", lse), ("dloss", dloss))
     _check_outputs((("dlogits", dlogits),), inputs)
 
 

@@ -7,9 +7,11 @@ them needs the GPU: those tests skip and say so).
 """
 
 import ctypes
+import json
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -192,30 +194,71 @@ def random_targets(m, n, ignored=0.25):
     return torch.where(torch.rand(m, device=DEVICE) < ignored, -100, target)
 
 
-def check_forward(impl, x, target, eps=0.0, ignore_index=-100, loss=None, lse=None):
-    m = x.shape[0]
-    loss = torch.empty(m, device=DEVICE) if loss is None else loss
-    lse = torch.empty(m, device=DEVICE) if lse is None else lse
+def assert_forward_within_bound(impl, x, target, eps, ignore_index, loss, lse):
+    """The row losses and lse against the exact ones; returns (exact loss, its row bounds)."""
     exact_loss, exact_lse = exact_forward(x, target, ignore_index, eps)
-    fns = MODULES[impl]
-    got = fns.cross_entropy_forward(x, target, ignore_index, eps, loss, lse)
-    assert got[0] is loss and got[1] is lse
     x64, t = x.double().cpu(), target.cpu().long()
     assert_within_bound(lse, exact_lse, lse_bound(impl, x64, exact_lse), f"{impl} lse")
     bound = loss_bound(impl, x64, t, exact_lse, exact_loss, ignore_index, eps)
     assert_within_bound(loss, exact_loss, bound, f"{impl} loss")
+    return exact_loss, bound
+
+
+def check_forward(impl, x, target, eps=0.0, ignore_index=-100, loss=None, lse=None):
+    m = x.shape[0]
+    loss = torch.empty(m, device=DEVICE) if loss is None else loss
+    lse = torch.empty(m, device=DEVICE) if lse is None else lse
+    got = MODULES[impl].cross_entropy_forward(x, target, ignore_index, eps, loss, lse)
+    assert got[0] is loss and got[1] is lse
+    assert_forward_within_bound(impl, x, target, eps, ignore_index, loss, lse)
     return loss, lse
+
+
+def assert_backward_within_bound(impl, x, target, lse, dloss, eps, ignore_index, dx):
+    exact = exact_backward(x, target, lse, dloss, ignore_index, eps)
+    args = (x.double().cpu(), target.cpu().long(), lse.double().cpu(), dloss.double().cpu())
+    bound = backward_bound(*args, exact, ignore_index, eps, x.dtype)
+    assert_within_bound(dx, exact, bound, f"{impl} dlogits")
 
 
 def check_backward(impl, x, target, lse, dloss, eps=0.0, ignore_index=-100, out=None):
     out = torch.empty_like(x) if out is None else out
-    exact = exact_backward(x, target, lse, dloss, ignore_index, eps)
-    args = (x.double().cpu(), target.cpu().long(), lse.double().cpu(), dloss.double().cpu())
-    bound = backward_bound(*args, exact, ignore_index, eps, x.dtype)
     fns = MODULES[impl]
     assert fns.cross_entropy_backward(x, target, lse, dloss, ignore_index, eps, out) is out
-    assert_within_bound(out, exact, bound, f"{impl} dlogits")
+    assert_backward_within_bound(impl, x, target, lse, dloss, eps, ignore_index, out)
     return out
+
+
+def reduced_bound(impl, exact_loss, row_bounds, target, reduction, dtype):
+    """(the exact reduced loss, README.md's bound on it): the row bounds summed, gamma of
+    reduction_path times the sum of |loss|, the mean's division, the store to dtype."""
+    exact, bound = exact_loss, row_bounds
+    if reduction != "none":
+        m = exact_loss.shape[0]
+        exact = torch.tensor(math.fsum(exact_loss.tolist()), dtype=torch.float64)
+        k = m if impl == "torch" else MODULES[impl].reduction_path(m)
+        bound = row_bounds.sum() + gamma(k, U32) * (exact_loss.abs().sum() + row_bounds.sum())
+        if reduction == "mean":
+            count = int((target != -100).sum())
+            exact, bound = exact / count, bound / count * (1 + U32) + U32 * abs(exact) / count
+    u_s = store_roundoff(dtype)
+    return exact, u_s * exact.abs() + (1 + u_s) * bound + underflow(dtype)
+
+
+def guarded_outputs(m, n, dtype, margin=5):
+    """(loss, lse, dlogits, untouched): views inside NaN-filled buffers, and a check that
+    nothing outside them changed."""
+    rows = torch.full((2, m + 2 * margin), math.nan, device=DEVICE)
+    grid = torch.full((m + 2, n + 2 * margin), math.nan, device=DEVICE, dtype=dtype)
+    outside = torch.ones_like(grid, dtype=torch.bool)
+    outside[1 : m + 1, margin : margin + n] = False
+
+    def untouched():
+        assert rows[:, :margin].isnan().all() and rows[:, margin + m :].isnan().all()
+        assert grid[outside].isnan().all()
+
+    loss, lse = rows[0, margin : margin + m], rows[1, margin : margin + m]
+    return loss, lse, grid[1 : m + 1, margin : margin + n], untouched
 
 
 def assert_rejects(wrongs, exact, bound):
@@ -240,10 +283,10 @@ def test_matches_reference(impl, dtype, m, n, eps):
 
 @each_impl
 def test_strided_operands(impl):
-    """Logits as a slice of wider rows, a column step, a transpose; loss, lse and dloss strided
-    (dloss a stride-0 broadcast, as the mean's gradient is)."""
+    """Logits as a slice of wider rows, a column step, a transpose; target, loss, lse and dloss
+    strided (dloss a stride-0 broadcast, as the mean's gradient is)."""
     wide = random_logits(5, 3 * 700, torch.bfloat16)
-    target = random_targets(5, 700)
+    target = random_targets(10, 700)[::2]
     for x in (wide[:, 11:711], wide[:, ::3], random_logits(700, 5, torch.bfloat16).t()):
         loss, lse = torch.empty(5, 2, device=DEVICE)[:, 0], torch.empty(5, 3, device=DEVICE)[:, 1]
         check_forward(impl, x, target, 0.1, loss=loss, lse=lse)
@@ -254,18 +297,12 @@ def test_strided_operands(impl):
 @each_dtype
 def test_outputs_inside_guard(impl, dtype):
     """loss, lse and dlogits are views into NaN: every element is written, nothing else moves."""
-    m, n, margin = 3, 4099, 5
+    m, n = 3, 4099
     x, target = random_logits(m, n, dtype), random_targets(m, n)
-    rows = torch.full((2, m + 2 * margin), math.nan, device=DEVICE)
-    grid = torch.full((m + 2, n + 2 * margin), math.nan, device=DEVICE, dtype=dtype)
-    loss, lse = rows[0, margin : margin + m], rows[1, margin : margin + m]
-    dx = grid[1 : m + 1, margin : margin + n]
+    loss, lse, dx, untouched = guarded_outputs(m, n, dtype)
     check_forward(impl, x, target, loss=loss, lse=lse)
     check_backward(impl, x, target, lse, torch.randn(m, device=DEVICE), out=dx)
-    assert rows[:, :margin].isnan().all() and rows[:, margin + m :].isnan().all()
-    outside = torch.ones_like(grid, dtype=torch.bool)
-    outside[1 : m + 1, margin : margin + n] = False
-    assert grid[outside].isnan().all()
+    untouched()
 
 
 @each_impl
@@ -323,23 +360,15 @@ def test_reductions(impl, reduction, dtype):
     got = MODULES[impl].cross_entropy(x, target, reduction=reduction, label_smoothing=eps)
     exact_loss, exact_lse = exact_forward(x, target, -100, eps)
     rows = loss_bound(impl, x.double().cpu(), target.cpu(), exact_lse, exact_loss, -100, eps)
-    exact, bound = exact_loss, rows
-    if reduction != "none":
-        exact = torch.tensor(math.fsum(exact_loss.tolist()), dtype=torch.float64)
-        k = m if impl == "torch" else MODULES[impl].reduction_path(m)
-        bound = rows.sum() + gamma(k, U32) * (exact_loss.abs().sum() + rows.sum())
-        if reduction == "mean":
-            count = int((target != -100).sum())
-            exact, bound = exact / count, bound / count * (1 + U32) + U32 * abs(exact) / count
-    u_s = store_roundoff(dtype)
-    bound = u_s * exact.abs() + (1 + u_s) * bound + underflow(dtype)
+    exact, bound = reduced_bound(impl, exact_loss, rows, target.cpu(), reduction, dtype)
     assert got.dtype == dtype
     assert_within_bound(got, exact, bound, f"{impl} {reduction}")
 
 
 @each_impl
 def test_repeatability(impl):
-    """Two runs give the same bits: every sum is a fixed tree, the mean included."""
+    """Two runs give the same bits: every sum is a fixed tree, the mean included (Triton: the
+    fused path, as the logits need a gradient)."""
     x, target = random_logits(700, 3001, torch.bfloat16), random_targets(700, 3001)
     fns = MODULES[impl]
     runs = []
@@ -509,13 +538,263 @@ def test_torch_compile_fullgraph(impl):
     assert_same_bits(compiled_grad, eager_grad)
 
 
-# (3) Triton builds: the chunk and the path counts ----------------------------------------------
+# (3) Triton builds: the chunk and the path counts, the fused path ----------------------------
 
 
 def test_chunk_and_paths():
     assert triton_impl.chunk_for(1) == 1 and triton_impl.chunk_for(5000) == triton_impl.CHUNK
     assert triton_impl.forward_path(4096) == (2, 13)  # one chunk: exp, combine, 12 tree levels
     assert triton_impl.reduction_path(1024) == 10
+
+
+# Built for sm_90a (pointers, n and the row strides divisible by 16 and unit column strides, as a
+# launch specialises them), in a child process: under TRITON_INTERPRET=1 nothing compiles.
+FUSED_PTX_SCRIPT = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_impl
+
+def counts(element, group, smoothing):
+    kernel = triton_impl.cross_entropy_fused_kernel
+    constexprs = {"stride_xn": 1, "stride_dxn": 1, "CHUNK": 4096, "LOG2_CHUNK": 12,
+                  "GROUP": group, "LOG2_GROUP": group.bit_length() - 1, "SMOOTHING": smoothing}
+    kinds = {"x_ptr": "*" + element, "dx_ptr": "*" + element, "target_ptr": "*i64",
+             "loss_ptr": "*fp32", "lse_ptr": "*fp32", "label_smoothing": "fp32",
+             "inverse_n": "fp32", "divisor": "fp32", "smooth_weight": "fp32",
+             "target_weight": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else kinds.get(name, "i32")
+                 for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or name in ("n", "stride_xm", "stride_dxm")}
+    source = ASTSource(kernel, signature, constexprs, aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": triton_impl.CHUNK_WARPS}).asm["ptx"]
+    patterns = {"kept loads": r"ld\\.global\\.L1::evict_last\\.L2::cache_hint\\.v4",
+                "last loads": r"ld\\.global\\.L1::evict_first\\.L2::cache_hint\\.v4",
+                "stores": r"st\\.global\\.L1::evict_first\\.L2::cache_hint\\.v4",
+                "ex2": r"ex2\\.approx", "spills": r"\\.local", "div": r"div\\.rn\\.f32"}
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in patterns.items()}
+
+print(json.dumps({f"{e} {s}": counts(e, g, s) for e, g in (("bf16", 8), ("fp32", 4))
+                  for s in (False, True)}))
+"""
+
+
+def test_fused_kernel_ptx():
+    """The fused kernel as README.md describes it: per thread and chunk, 16 elements in 16-byte
+    loads marked evict_last (the first sweep), the same again marked evict_first (the second)
+    and 16-byte stores marked evict_first; 16 ex2 in the first sweep plus one per group of the
+    thread's for its rescale and one at the final combine, 16 in the second; dloss = 1 / divisor
+    correctly rounded; no spills."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", FUSED_PTX_SCRIPT],
+        cwd=HERE, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    for name, found in json.loads(child.stdout).items():
+        vectors = {"bf16": 2, "fp32": 4}[name.split()[0]]  # 16 elements of 8 or 4 a vector
+        groups = 16 // {"bf16": 8, "fp32": 4}[name.split()[0]]
+        assert found["kept loads"] == found["last loads"] == found["stores"] == vectors, name
+        assert found["ex2"] == 16 + 2 * groups + 16 and found["div"] >= 1, name
+        assert found["spills"] == 0, name
+
+
+# The fused path: the forward that writes the gradient too, and the backward that scales it
+
+# Each shape of SHAPES with one reduction, the three in turn (test_fused_reductions: all three).
+FUSED_CASES = [(*shape, reference.REDUCTIONS[k % 3]) for k, shape in enumerate(SHAPES)]
+
+
+def fused_dloss(target, reduction):
+    """The dloss the fused kernel assumes, float32 (M,): row_gradient of a gradient of 1."""
+    ones = torch.ones(target.shape if reduction == "none" else (), device=DEVICE)
+    return torch_impl.row_gradient(ones, target, -100, reduction)
+
+
+def check_fused(x, target, eps, reduction, outputs=None, in_place=False):
+    """cross_entropy_fused against the reference: loss and lse within the forward's bound and
+    with the unfused forward's bits, dx within the backward's bound at the dloss it assumes and
+    with the unfused backward's bits, the reduced loss within its bound. Returns dx."""
+    m = x.shape[0]
+    new_rows, new_dx = (lambda: torch.empty(m, device=DEVICE)), (lambda: torch.empty_like(x))
+    logits = x.clone() if in_place else x  # x stays: the reference reads it afterwards
+    loss, lse, dx = outputs or (new_rows(), new_rows(), new_dx())
+    dx = logits if in_place else dx
+    got = triton_impl.cross_entropy_fused(logits, target, -100, eps, reduction, loss, lse, dx)
+    assert got[1] is lse and got[2] is dx and got[0].dtype == x.dtype
+    exact_loss, rows = assert_forward_within_bound("triton", x, target, eps, -100, loss, lse)
+    if reduction == "mean" and not (target != -100).any():
+        assert got[0].isnan()  # 0 / 0, as torch says (test_all_ignored_mean_is_nan_like_torch)
+    else:
+        exact, bound = reduced_bound("triton", exact_loss, rows, target.cpu(), reduction, x.dtype)
+        assert_within_bound(got[0], exact, bound, f"fused {reduction} loss")
+    dloss = fused_dloss(target, reduction)
+    assert_backward_within_bound("triton", x, target, lse, dloss, eps, -100, dx)
+    unfused = triton_impl.cross_entropy_forward(x, target, -100, eps, new_rows(), new_rows())
+    assert_same_bits(loss, unfused[0], "fused loss")
+    assert_same_bits(lse, unfused[1], "fused lse")
+    expected = triton_impl.cross_entropy_backward(x, target, lse, dloss, -100, eps, new_dx())
+    assert_same_bits(dx, expected, "fused dlogits")
+    return dx
+
+
+@each_dtype
+@pytest.mark.parametrize("m, n, reduction", FUSED_CASES, ids=str)
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_matches_reference(dtype, m, n, reduction, eps):
+    check_fused(random_logits(m, n, dtype), random_targets(m, n), eps, reduction)
+
+
+@pytest.mark.parametrize("reduction", reference.REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_reductions(reduction, dtype):
+    x, target = random_logits(1500, 37, dtype), random_targets(1500, 37)
+    check_fused(x, target, 0.1, reduction)
+
+
+def test_fused_no_rows():
+    """No rows: the mean of nothing is NaN, the sum 0, as torch says; no kernel runs."""
+    x, target = random_logits(0, 7, torch.bfloat16), random_targets(0, 7)
+    for reduction, expected in (("mean", math.nan), ("sum", 0.0)):
+        got = triton_impl.cross_entropy(x, target, reduction=reduction)
+        theirs = torch.nn.functional.cross_entropy(x.float(), target, reduction=reduction)
+        assert got.dtype == x.dtype and torch.equal(got.float().isnan(), theirs.isnan())
+        assert got.isnan() if math.isnan(expected) else got == expected
+
+
+def test_fused_strided_operands():
+    """Logits as a slice of wider rows, a column step, a transpose; target, loss and lse
+    strided; dx a slice of a wider buffer or the transpose's own layout."""
+    wide, target = random_logits(5, 3 * 700, torch.bfloat16), random_targets(10, 700)[::2]
+    for x in (wide[:, 11:711], wide[:, ::3], random_logits(700, 5, torch.bfloat16).t()):
+        loss, lse = torch.empty(5, 2, device=DEVICE)[:, 0], torch.empty(5, 3, device=DEVICE)[:, 1]
+        for dx in (torch.empty(5, 800, device=DEVICE, dtype=x.dtype)[:, 50:750], None):
+            outputs = (loss, lse, torch.empty_like(x) if dx is None else dx)
+            check_fused(x, target, 0.1, "mean", outputs)
+
+
+@each_dtype
+def test_fused_outputs_inside_guard(dtype):
+    """loss, lse and dlogits as views into NaN: every element written, nothing else moved."""
+    m, n = 3, 4099
+    loss, lse, dx, untouched = guarded_outputs(m, n, dtype)
+    check_fused(random_logits(m, n, dtype), random_targets(m, n), 0.1, "sum", (loss, lse, dx))
+    untouched()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_in_place(dtype):
+    """dlogits may be the logits themselves: the second sweep reads each chunk before it writes
+    it, so the bits are those of the out-of-place call."""
+    x, target = random_logits(4, 5001, dtype), random_targets(4, 5001)
+    in_place = check_fused(x, target, 0.1, "mean", in_place=True)
+    assert_same_bits(in_place, check_fused(x, target, 0.1, "mean"))
+
+
+def exact_gradient(x, target, reduction, grad, eps=0.1):
+    """The gradient of the reduced loss for the incoming grad, through the fused path: (exact,
+    unscaled = exact / grad, bound). README.md's backward bound at the dloss w the kernel
+    assumed, with the lse error and w = 1 / count's rounding, times |grad|; then the scale's
+    product and its store, one u and one u_s more."""
+    weight = 1 / int((target != -100).sum()) if reduction == "mean" else 1.0
+    weights = torch.full((x.shape[0],), weight, dtype=torch.float64)
+    exact_loss, exact_lse = exact_forward(x, target, -100, eps)
+    x64, t = x.double().cpu(), target.cpu()
+    e_lse = float(lse_bound("triton", x64, exact_lse).max())
+    unscaled = float64_backward(x, t, exact_lse, weights, -100, eps)
+    bound = backward_bound(x64, t, exact_lse, weights, unscaled, -100, eps, x.dtype, e_lse)
+    bound += U32 * unscaled.abs()  # w = 1 / count, rounded once
+    g = grad.double().cpu().expand(x.shape[0])[:, None]
+    exact, bound = g * unscaled, g.abs() * bound
+    u_s = store_roundoff(x.dtype)
+    bound = bound + U32 * (exact.abs() + bound)
+    return exact, unscaled, u_s * (exact.abs() + bound) + bound + underflow(x.dtype)
+
+
+@pytest.mark.parametrize("reduction", reference.REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_gradient_through_autograd(reduction, dtype):
+    """x.grad of cross_entropy(x).backward(grad) on the fused path: within the bound for a
+    grad that is not 1 (negative controls: the gradient scaled twice, not scaled, or the mean's
+    1 / count missing); for grad = 1 (loss.backward()), the unfused path's very bits."""
+    x, target = random_logits(6, 300, dtype), random_targets(6, 300)
+    target[0] = 7  # at least one row kept: the mean's count is not 0
+    shape = (6,) if reduction == "none" else ()
+    # Away from 1 (0.25 to 0.75), so that a gradient left unscaled is far outside the bound.
+    grad = 0.25 + 0.5 * torch.rand(shape, device=DEVICE) if reduction == "none" else None
+    grad = torch.full(shape, 0.75, device=DEVICE) if grad is None else grad
+    leaf = x.clone().requires_grad_()
+    triton_impl.cross_entropy(leaf, target, reduction=reduction, label_smoothing=0.1).backward(
+        grad.to(dtype)
+    )  # the loss's gradient comes in the loss's dtype
+    exact, unscaled, bound = exact_gradient(x, target, reduction, grad.to(dtype).float())
+    assert_within_bound(leaf.grad, exact, bound, "fused gradient")
+    count = max(int((target != -100).sum()), 1)
+    g = grad.to(dtype).double().cpu().expand(6)[:, None]
+    # scaled twice, not scaled, 1 / count missing (for 'none' and 'sum': doubled)
+    wrongs = [g * exact, unscaled, exact * (count if reduction == "mean" else 2)]
+    assert_rejects([w.to(dtype) for w in wrongs], exact, bound)
+    grads = []
+    for function in (triton_impl.cross_entropy, triton_impl.CrossEntropyFunction.apply):
+        leaf = x.clone().requires_grad_()
+        args = () if function is triton_impl.cross_entropy else (-100, 0.1, reduction, False)
+        kwargs = {"reduction": reduction, "label_smoothing": 0.1} if not args else {}
+        loss = function(leaf, target, *args, **kwargs)
+        loss.backward(torch.ones_like(loss))
+        grads.append(leaf.grad)
+    assert_same_bits(grads[0], grads[1], "fused gradient for grad = 1")
+
+
+def test_scale_gradient_skips_exact_ones():
+    """scale_gradient multiplies the rows whose grad is not exactly 1 and leaves the others'
+    bits (NaN included) alone; ignored rows stay as they are (the forward wrote zeros)."""
+    dx, target = random_logits(6, 300, torch.bfloat16), random_targets(12, 300, ignored=0.0)
+    target = target[::2]  # a strided target
+    dx[0, 5], target[3] = math.nan, -100
+    grad = torch.tensor([1.0, 0.5, 1.0, -2.0, 1.0, 3.0], device=DEVICE).to(torch.bfloat16)
+    expected = dx.clone()
+    scaled = torch.tensor([1, 5])  # grad != 1, target kept
+    expected[scaled] = (dx[scaled].float() * grad[scaled, None].float()).to(torch.bfloat16)
+    assert triton_impl.scale_gradient(dx, target, grad, -100) is dx
+    assert_same_bits(dx, expected, "scaled gradient")
+
+
+def test_fused_backward_runs_once():
+    """The backward scales the saved gradient in place: a second pass (retain_graph) would
+    scale it twice, so it raises instead."""
+    x = random_logits(3, 50, torch.float32).requires_grad_()
+    loss = triton_impl.cross_entropy(x, random_targets(3, 50, ignored=0.0))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
+
+
+def fused_bad_inputs():
+    """bad_inputs' cases with a reduction and a fresh dlogits, and the fused path's own."""
+    for operands, error, words in bad_inputs():
+        shape = operands[0].shape if isinstance(operands[0], torch.Tensor) else (3, 5)
+        dx = torch.full(shape, 7.0, device=DEVICE)
+        yield (*operands[:4], "mean", *operands[4:], dx), error, words
+    x, t = torch.randn(3, 5, device=DEVICE), torch.tensor([0, 1, 4], device=DEVICE)
+    rows = lambda: torch.empty(3, device=DEVICE)  # noqa: E731
+    wide = torch.zeros(3, 7, device=DEVICE)
+    yield (x, t, -100, 0.0, "avg", rows(), rows(), torch.zeros_like(x)), ValueError, "reduction"
+    yield (x, t, -100, 0.0, "sum", rows(), rows(), x.half()), ValueError, "dlogits is"
+    yield (wide[:, :5], t, -100, 0.0, "sum", rows(), rows(), wide[:, 2:]), ValueError, "overlaps"
+
+
+@pytest.mark.parametrize("case", list(fused_bad_inputs()), ids=lambda case: case[-1])
+def test_fused_bad_input_raises_before_launch(case):
+    operands, error, words = case
+    if ON_GPU and not operands[1].is_cuda:
+        operands = (operands[0], operands[1].to(DEVICE), *operands[2:])
+    before = [t.clone() for t in operands[5:]]
+    with pytest.raises(error, match=words):
+        triton_impl.cross_entropy_fused(*operands)
+    for t, b in zip(operands[5:], before, strict=True):
+        assert_same_bits(t, b, "an output after a rejected call")
 
 
 # (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
@@ -687,18 +966,32 @@ def test_large_vocabulary(impl, m, n):
     fns.cross_entropy_forward(x, target, -100, eps, loss, lse)
     dloss = torch.randn(m, device=DEVICE)
     dx = fns.cross_entropy_backward(x, target, lse, dloss, -100, eps, torch.empty_like(x))
+    assert_sampled_rows(impl, x, target, eps, loss, lse, dloss, dx)
+
+
+@gpu_only
+@pytest.mark.parametrize("m, n", [(64, 262144), (33, 131071), PAST_2_31])
+def test_fused_large_vocabulary(m, n):
+    """The fused kernel at the same sizes, checked on the same few rows."""
+    x, target = random_logits(m, n, torch.bfloat16), random_targets(m, n)
+    loss, lse, dx = (
+        torch.empty(m, device=DEVICE),
+        torch.empty(m, device=DEVICE),
+        torch.empty_like(x),
+    )
+    triton_impl.cross_entropy_fused(x, target, -100, 0.1, "mean", loss, lse, dx)
+    assert_sampled_rows("triton", x, target, 0.1, loss, lse, fused_dloss(target, "mean"), dx)
+
+
+def assert_sampled_rows(impl, x, target, eps, loss, lse, dloss, dx):
+    """Forward and backward bounds on the first two rows, one in the middle and the last two
+    (the float64 stand-in then needs megabytes, where all of x would need 16 GB)."""
+    m = x.shape[0]
     rows = torch.tensor(sorted({0, 1, m // 2, m - 2, m - 1}), device=DEVICE)
-    sample, sample_target = x[rows], target[rows]
-    exact_loss, exact_lse = float64_forward(sample, sample_target, -100, eps)
-    x64, t = sample.double().cpu(), sample_target.cpu()
-    assert_within_bound(lse[rows], exact_lse, lse_bound(impl, x64, exact_lse), f"{impl} lse")
-    bound = loss_bound(impl, x64, t, exact_lse, exact_loss, -100, eps)
-    assert_within_bound(loss[rows], exact_loss, bound, f"{impl} loss")
-    row_lse, row_dloss = lse[rows], dloss[rows]
-    exact = float64_backward(sample, sample_target, row_lse, row_dloss, -100, eps)
-    args = (x64, t, row_lse.double().cpu(), row_dloss.double().cpu(), exact)
-    bound = backward_bound(*args, -100, eps, torch.bfloat16)
-    assert_within_bound(dx[rows], exact, bound, f"{impl} dlogits")
+    sample, sample_target, row_lse = x[rows], target[rows], lse[rows]
+    assert_forward_within_bound(impl, sample, sample_target, eps, -100, loss[rows], row_lse)
+    args = (sample, sample_target, row_lse, dloss[rows], eps, -100, dx[rows])
+    assert_backward_within_bound(impl, *args)
 
 
 if __name__ == "__main__":

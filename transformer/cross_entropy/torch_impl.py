@@ -8,8 +8,9 @@ divides by the count of rows not ignored.
 
 `autograd_function` and `traceable_cross_entropy` build, over any implementation's three plain
 functions (forward, backward, reduce_loss), the autograd.Function for eager calls and the custom
-ops torch.compile sees; `CrossEntropyLoss` is the drop-in for torch.nn.CrossEntropyLoss.
-triton_impl.py calls them with its own functions.
+ops torch.compile sees; `fused_when_differentiated` the eager path over a fused pass (the
+gradient computed in the forward, README.md "The fused path"); `CrossEntropyLoss` is the
+drop-in for torch.nn.CrossEntropyLoss. triton_impl.py calls them with its own functions.
 """
 
 import torch
@@ -110,12 +111,54 @@ def autograd_function(forward, backward, reduce):
     return CrossEntropyFunction
 
 
-def traceable_cross_entropy(name, forward, backward, reduce):
+def fused_when_differentiated(fused, scale):
+    """The eager cross_entropy(logits, target, ignore_index, label_smoothing, reduction,
+    in_place) over an implementation's fused pass, fused(logits, target, ignore_index,
+    label_smoothing, reduction, loss, lse, dlogits) -> (reduced loss, lse, dlogits), dlogits
+    the gradient for a gradient of 1 (None: no gradient), and scale(dlogits, target, grad,
+    ignore_index), which multiplies it by autograd's gradient in place. When autograd will want
+    the gradient, a Function whose forward is the fused pass; otherwise the forward alone,
+    outside autograd (its bookkeeping would be host time for nothing). With in_place the
+    gradient overwrites the logits in the forward already: right only when nothing else reads
+    them afterwards."""
+
+    class FusedCrossEntropyFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, in_place):
+            rows = lambda: torch.empty(logits.shape[0], device=logits.device)  # noqa: E731
+            dlogits = logits if in_place else torch.empty_like(logits)
+            options = (ignore_index, label_smoothing, reduction)
+            out, _, dlogits = fused(logits, target, *options, rows(), rows(), dlogits)
+            ctx.save_for_backward(dlogits.detach(), target)
+            ctx.ignore_index, ctx.scaled = ignore_index, False
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.scaled:  # scaled in place already: a second pass would scale it twice
+                raise RuntimeError("the fused cross-entropy's backward runs once (no retain_graph)")
+            ctx.scaled = True
+            dlogits, target = ctx.saved_tensors
+            return scale(dlogits, target, grad, ctx.ignore_index), None, None, None, None, None
+
+    def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, in_place):
+        options = (ignore_index, label_smoothing, reduction)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return FusedCrossEntropyFunction.apply(logits, target, *options, in_place)
+        rows = lambda: torch.empty(logits.shape[0], device=logits.device)  # noqa: E731
+        return fused(logits, target, *options, rows(), rows(), None)[0]
+
+    return cross_entropy
+
+
+def traceable_cross_entropy(name, forward, backward, reduce, eager=None):
     """cross_entropy(logits, target, ...) over an implementation's plain functions, registered as
     the custom ops kernel_course::cross_entropy_<name>_{forward,backward}: torch.compile sees an
     opaque call with a known output (register_fake) and a backward it can put in its graph. The
     compiled path never writes in place (a custom op that mutates its input would have to say
-    so to the compiler); in_place_backward applies to eager calls."""
+    so to the compiler); in_place_backward applies to eager calls, which go to
+    eager(logits, target, ignore_index, label_smoothing, reduction, in_place) (by default the
+    autograd.Function over the three functions)."""
     fns = (forward, backward, reduce)
     prefix = f"kernel_course::cross_entropy_{name}"
 
@@ -156,7 +199,7 @@ def traceable_cross_entropy(name, forward, backward, reduce):
         return backward_op(logits, target, lse, grad, *ctx.options), None, None, None, None
 
     forward_op.register_autograd(backward_of_forward_op, setup_context=save_inputs)
-    eager = autograd_function(forward, backward, reduce)
+    eager = eager or autograd_function(forward, backward, reduce).apply
 
     def cross_entropy(
         logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -167,9 +210,7 @@ def traceable_cross_entropy(name, forward, backward, reduce):
         custom op's Python dispatch costs tens of microseconds a call)."""
         if torch.compiler.is_compiling():
             return forward_op(logits, target, ignore_index, float(label_smoothing), reduction)[0]
-        return eager.apply(
-            logits, target, ignore_index, label_smoothing, reduction, in_place_backward
-        )
+        return eager(logits, target, ignore_index, label_smoothing, reduction, in_place_backward)
 
     return cross_entropy
 
