@@ -376,11 +376,13 @@ def build_plain(dtype, read_ab, read_c, config, options=""):
     # multiples of the vector, so that a vector lies wholly inside or wholly outside.
     unit_dim, vector = (1, PLAIN_LOAD_VECTOR) if config.vector_loads else (None, 1)
     m, n, k = cute.sym_int64(), cute.sym_int64(vector), cute.sym_int64(vector)
+    A = placeholder(dtype, m, k, unit_dim, vector)
+    B = placeholder(dtype, k, n, unit_dim, vector)
+    C = placeholder(dtype, m, n)
+    alpha = beta = 1.0  # Float32 arguments: only their type is compiled in
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's, at each call
     return cute.compile(
-        launch_plain,
-        placeholder(dtype, m, k, unit_dim, vector), placeholder(dtype, k, n, unit_dim, vector),
-        placeholder(dtype, m, n), 1.0, 1.0,
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), read_ab, read_c, config,
+        launch_plain, A, B, C, alpha, beta, stream, read_ab, read_c, config,
         options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
