@@ -1,5 +1,5 @@
 """gemm in the CuTe DSL: C = alpha*A@B + beta*C, the public entry point of the lesson's steps
-(README.md, "CuTe: from a plain tiled kernel to a Hopper kernel").
+(README.md, "cute_impl.py: from a plain tiled kernel to a Hopper kernel").
 
     cute_1_tiled.py      step 1: tiles on the CUDA cores; any strides, IEEE float32, 64-bit
                          offsets, alpha == 0 and k == 0

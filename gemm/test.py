@@ -64,8 +64,8 @@ except ImportError as error:  # no CuTe kernel yet, or no CuTe DSL: its tests sk
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
-# The steps of the CuTe lesson, each with its own gemm (README.md, "CuTe: from a plain tiled
-# kernel to a Hopper kernel"); "cute" is cute_impl, which runs the last one.
+# The steps of the CuTe lesson, each with its own gemm (README.md, "cute_impl.py: from a plain
+# tiled kernel to a Hopper kernel"); "cute" is cute_impl, which runs the last one.
 CUTE_STEPS = ["cute.step1", "cute.step2", "cute.step3", "cute.step4"]
 # NN: A and B row-major; T: that operand is the transpose of a contiguous matrix.
 LAYOUTS = ["NN", "NT", "TN", "TT"]
