@@ -188,6 +188,15 @@ def error_bound(impl, alpha, A, B, beta, C, exact, exact_error=REFERENCE_ERROR, 
     return bound + (1 + u_s) * exact_error * (alpha_part + beta_part)
 
 
+def padded_matrix(rows, cols, dtype, transposed, device=DEVICE):
+    """Random (rows, cols) values in a buffer whose leading dimension is rounded up to 16
+    elements: 16-byte aligned rows (or, transposed, columns) for any rows and cols."""
+    if transposed:
+        return padded_matrix(cols, rows, dtype, False, device).T
+    buffer = torch.randn(rows, -(-cols // 16) * 16, device=device).to(dtype)
+    return buffer[:, :cols]
+
+
 def check(impl, alpha, A, B, beta, C, what="", allow_tf32=False):
     """Run impl in place on C and check it against the reference within the bound."""
     exact = reference.gemm(alpha, A.cpu(), B.cpu(), beta, C.cpu())
@@ -1359,15 +1368,6 @@ def test_cute_hopper_cluster_ptx():
     single = cute_step2.ptx_of(torch.bfloat16, cluster_m=1)
     assert ".multicast::cluster" in pair and "mbarrier.arrive.shared::cluster" in pair
     assert ".multicast::cluster" not in single
-
-
-def padded_matrix(rows, cols, dtype, transposed, device=DEVICE):
-    """Random (rows, cols) values in a buffer whose leading dimension is rounded up to 16
-    elements: 16-byte aligned rows (or, transposed, columns) for any rows and cols."""
-    if transposed:
-        return padded_matrix(cols, rows, dtype, False, device).T
-    buffer = torch.randn(rows, -(-cols // 16) * 16, device=device).to(dtype)
-    return buffer[:, :cols]
 
 
 @needs_cute
