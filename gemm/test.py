@@ -3,6 +3,10 @@
 Run with `python test.py` (or `nox -s gemm` from the top). Without a GPU, torch runs on the CPU
 and Triton under its interpreter, on small shapes; the CuTe kernels are compiled for sm_90a and
 their PTX checked (launching them needs the GPU, and those tests skip saying so).
+
+Sections, as in every folder: (1) set-up and the bound model, (2) the contract over every
+implementation, (3) Triton's plans, paths, PTX and launch, (4) CuTe's builds, dispatch and PTX,
+(5) GPU-only sizes.
 """
 
 import json
