@@ -80,8 +80,8 @@ class PlainConfig(NamedTuple):
 
 
 # The two builds `run_plain` chooses between, each the fastest of its kind on the H200 (IEEE float32
-# 8192^3 against cuBLAS's 51.1 TFLOP/s, README.md). Vector loads leave a thread 126 registers,
-# so two blocks fit an SM without spills: 48.7 TFLOP/s. Scalar loads need more (64-bit
+# 8192^3 against cuBLAS's 51.1 TFLOP/s, README.md). Vector loads fit a thread in 128 registers
+# (ptxas -v), so two blocks fit an SM without spills: 48.7 TFLOP/s. Scalar loads need more (64-bit
 # addresses and predicates per element): at 128 registers ptxas spills, so one block an SM,
 # and k steps of 16 to halve its barriers: 41.9 TFLOP/s.
 PLAIN_VECTORS = PlainConfig(tile_k=8, vector_loads=True, blocks_per_sm=2)
