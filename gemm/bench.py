@@ -2,31 +2,21 @@
 
     python bench.py            writes results.json and perf.png beside this file
 
-gemm does 2mnk flops (mnk multiply-adds) on at least (mk + kn + 2mn) elements of traffic (read
-A, B and C, write C); from a few hundred on a side it is compute bound, so the measure is
-TFLOP/s = 2mnk / time. Shapes: squares from 256 to 16384, and m = 16384 with (n, k) from the
-projections of a 7B-class transformer layer: (4096, 4096), (11008, 4096), (4096, 11008),
-(14336, 4096); every shape in bfloat16, float16 and float32 (IEEE: no TF32), A and B row-major.
-Time is the GPU's: each implementation's calls on COPIES sets of operands (enough that they pass
-ROTATE_BYTES, so W of a decode step comes from memory as it does in a model, not from the 50 MiB
-L2) are captured in one CUDA graph, and the replay is timed by `triton.testing.do_bench`, which
-flushes the L2 cache before each replay; a call is the replay's median over COPIES. Timed call
-by call, a call whose GPU work is shorter than its host path (a decode step, 1024^3) would time
-the host, which the per-call rows measure on their own. The median is taken in ROUNDS rounds
-that rotate the order of the implementations (the median of the rounds): at full tensor-core
-rate the H200's clock follows its power and temperature, so whichever ran first on a cool card
-would otherwise be favoured by a few percent.
-The ceiling is torch.matmul on bfloat16 8192 x 8192 x 8192, measured in the same run; the
-library op a user would otherwise call is torch.addmm (cuBLAS), in place on C. cute_impl is
-measured when it can be imported, and at STEP_CASES each step of its lesson too, as its own row
-("cute.step1": cute_1_tiled.gemm, "cute.step2": cute_2_tma_wgmma.gemm) in the same rotated
-rounds, for README.md's "what each CuTe step gained". Every row says its layout: "NN" (A and
-B row-major).
+gemm is compute bound from a few hundred on a side, so the measure is TFLOP/s = 2mnk / time
+(README.md, "The math and its cost"). The cases: SHAPES (squares, and the projections of a
+7B-class layer at 16384 tokens) in every dtype, NN; then MODEL_CASES (every layout at 8192^3,
+the projections in NT, decode steps, a shape TMA cannot take as it is); at STEP_CASES each step
+of the CuTe lesson as its own row ("cute.step1" ...), for README.md's "what each CuTe step
+gained". The library op a user would otherwise call is torch.addmm (cuBLAS), in place on C; the
+ceiling is torch.matmul on bfloat16 8192^3, measured in the same run.
 
-The per-call rows time the host path: the wall time of CALLS back-to-back calls at TINY^3, where
-the GPU work is far shorter than the Python and driver work of a call, for every implementation
-and torch.addmm, beside the run's floors: torch's own `y.copy_(x)` and a bare Triton launch of a
-copy, on 4096 float32 elements (the floors of copy/bench.py).
+Time is the GPU's (`graph_ms`): each implementation's calls on enough operand sets to pass
+ROTATE_BYTES (so a decode step's W comes from memory, not L2) captured in one CUDA graph, whose
+replay `triton.testing.do_bench` times. `interleaved_ms` takes the median of ROUNDS rounds that
+rotate the order of the implementations: at full tensor-core rate the clock follows power and
+temperature, so a fixed order favours whichever runs first. The per-call rows (`per_call_us`)
+time the host path instead: CALLS back-to-back calls at TINY^3, beside the run's floors, torch's
+`y.copy_(x)` and a bare Triton launch on FLOOR_N float32 elements (as copy/bench.py's).
 """
 
 import functools

@@ -80,8 +80,8 @@ class PlainConfig(NamedTuple):
 
 
 # The two builds `run_plain` chooses between, each the fastest of its kind on the H200 (IEEE float32
-# 8192^3 against cuBLAS's 51.1 TFLOP/s, README.md). Vector loads leave a thread 126 registers,
-# so two blocks fit an SM without spills: 48.7 TFLOP/s. Scalar loads need more (64-bit
+# 8192^3 against cuBLAS's 51.1 TFLOP/s, README.md). Vector loads fit a thread in 128 registers
+# (ptxas -v), so two blocks fit an SM without spills: 48.7 TFLOP/s. Scalar loads need more (64-bit
 # addresses and predicates per element): at 128 registers ptxas spills, so one block an SM,
 # and k steps of 16 to halve its barriers: 41.9 TFLOP/s.
 PLAIN_VECTORS = PlainConfig(tile_k=8, vector_loads=True, blocks_per_sm=2)
@@ -376,11 +376,13 @@ def build_plain(dtype, read_ab, read_c, config, options=""):
     # multiples of the vector, so that a vector lies wholly inside or wholly outside.
     unit_dim, vector = (1, PLAIN_LOAD_VECTOR) if config.vector_loads else (None, 1)
     m, n, k = cute.sym_int64(), cute.sym_int64(vector), cute.sym_int64(vector)
+    A = placeholder(dtype, m, k, unit_dim, vector)
+    B = placeholder(dtype, k, n, unit_dim, vector)
+    C = placeholder(dtype, m, n)
+    alpha = beta = 1.0  # Float32 arguments: only their type is compiled in
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's, at each call
     return cute.compile(
-        launch_plain,
-        placeholder(dtype, m, k, unit_dim, vector), placeholder(dtype, k, n, unit_dim, vector),
-        placeholder(dtype, m, n), 1.0, 1.0,
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), read_ab, read_c, config,
+        launch_plain, A, B, C, alpha, beta, stream, read_ab, read_c, config,
         options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 

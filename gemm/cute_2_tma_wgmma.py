@@ -16,6 +16,7 @@ and `gemm`, which runs here what TMA and wgmma take and everything else on step 
 
 import collections
 import functools
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -529,18 +530,30 @@ def in_pairs(C):
     return col_stride == 1 and row_stride % 2 == 0 and C.data_ptr() % (2 * C.itemsize) == 0
 
 
+class KernelChoice(NamedTuple):
+    """Which kernel runs a product: "hopper" (with its operands' majorness, compiled into the
+    build) or "plain" (step 1's, which takes any strides: no majorness)."""
+
+    kernel: str
+    a_k_major: bool | None = None
+    b_k_major: bool | None = None
+
+
+PLAIN = KernelChoice("plain")
+
+
 def choose_kernel(A, B, allow_tf32):
-    """('hopper', a_k_major, b_k_major) or ('plain',): TMA must take both operands
-    (`tma_major`), and float32 goes to wgmma only as TF32, asked for (allow_tf32) and with both
-    operands K-major, all that TF32 wgmma reads; everything else is step 1's."""
+    """The KernelChoice for A and B: TMA must take both operands (`tma_major`), and float32
+    goes to wgmma only as TF32, asked for (allow_tf32) and with both operands K-major, all that
+    TF32 wgmma reads; everything else is step 1's."""
     a_major, b_major = tma_major(A), tma_major(B)
     if a_major is None or b_major is None:
-        return ("plain",)
+        return PLAIN
     # A (m, k) is K-major when its rows are contiguous; B (k, n) when its columns are.
     a_k_major, b_k_major = a_major == "rows", b_major == "cols"
     if A.dtype == torch.float32 and not (allow_tf32 and a_k_major and b_k_major):
-        return ("plain",)
-    return ("hopper", a_k_major, b_k_major)
+        return PLAIN
+    return KernelChoice("hopper", a_k_major=a_k_major, b_k_major=b_k_major)
 
 
 def build_hopper(
@@ -554,10 +567,13 @@ def build_hopper(
     A = placeholder(dtype, m, k, 1 if a_k_major else 0, tma_vector)
     B = placeholder(dtype, k, n, 0 if b_k_major else 1, tma_vector)
     C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
+    alpha = beta = 1.0  # Float32 arguments: only their type is compiled in
+    blocks = 1  # the persistent grid's size, an Int32 argument given at each call
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's, at each call
     return cute.compile(
-        launch_hopper, A, B, C, 1.0, 1.0, 1,
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), a_k_major, b_k_major, tile_m,
-        tile_n, read_c, c_pairs, cluster_m, options=f"--enable-tvm-ffi {options}",
+        launch_hopper, A, B, C, alpha, beta, blocks, stream,
+        a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
+        options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -595,16 +611,16 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
     m, n = C.shape
     if m == 0 or n == 0:
         return C
-    choice = choose_kernel(A, B, allow_tf32) if read_ab else ("plain",)
-    if choice[0] == "plain":
+    choice = choose_kernel(A, B, allow_tf32) if read_ab else PLAIN
+    if choice.kernel == "plain":
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
         return C
-    _, a_k_major, b_k_major = choice
     tile_m, tile_n = hopper_tile_m(m), hopper_tile_n(m, n)
     cluster_m = cluster_m if m > tile_m else 1
     kernel = compile_hopper(
-        A.dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, in_pairs(C), cluster_m
-    )
+        A.dtype, choice.a_k_major, choice.b_k_major, tile_m, tile_n, read_c, in_pairs(C),
+        cluster_m,
+    )  # fmt: skip
     # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters. TVM-FFI
     # launches on torch's current stream of C's GPU, as step 1's run_plain.
     cluster_tiles = ceil_div(m, cluster_m * tile_m) * ceil_div(n, tile_n)

@@ -9,11 +9,9 @@ cores. Here such an operand is first copied, exactly, into a new K-major buffer 
 stride is rounded up to 16 bytes (`k_major_copy`), and step 3 runs on the copy (splitting k or
 handing it to step 2).
 
-The copy changes no value, so the bound is the earlier steps'. It costs one read and one write
-of the operand: a 4097 x 3079 bfloat16 A is 25 MB each way, about 12 us at 4.2 TB/s, against
-about 1 ms that cuBLAS spends on the whole product at 4097 x 5121 x 3079. It also takes the
-operand's memory once more while the call runs. A dimension of 2**31 or more is beyond TMA
-whatever the strides, and stays on step 1.
+The copy changes no value, so the bound is the earlier steps'; what it costs and buys is in
+README.md ("Step 4"). A dimension of 2**31 or more is beyond TMA whatever the strides, and stays
+on step 1.
 """
 
 import torch

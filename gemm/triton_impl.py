@@ -1,37 +1,21 @@
-"""gemm: C = alpha*A@B + beta*C as tiled Triton kernels.
+"""gemm: C = alpha*A@B + beta*C as tiled Triton kernels (README.md, "triton_impl.py").
 
     c_ij = alpha * sum_l a_il b_lj + beta * c_ij
 
-A program computes one BLOCK_M x BLOCK_N tile of C over a range of k (a *unit*). It walks the
-range BLOCK_K at a step, loading a BLOCK_M x BLOCK_K tile of A and a BLOCK_K x BLOCK_N tile of
-B, and `tl.dot` adds their product into a float32 accumulator in registers (on Hopper, wgmma on
-the tensor cores). The tile is finished in float32, alpha * acc + beta * c, and rounded once as
-it is stored. Whatever lies past the edges of m, n and k loads as 0 and adds nothing, and
-nothing past the edge of C is stored. Tiles are numbered in the grouped order README.md
-explains ("Tiles to programs"), so the tiles running at one time share rows of A and columns of
-B in L2.
+A program computes one BLOCK_M x BLOCK_N tile of C over a range of k (a *unit*): `tl.dot` adds
+the products of A and B tiles into a float32 accumulator, and the tile is finished in float32,
+alpha * acc + beta * c, rounded once by the store. The file, top to bottom:
 
-The range is all of k unless C has fewer tiles than the H200 has SMs (a decode step: m up to
-128 token rows, n / BLOCK_N tiles). Then k is split into SPLITS ranges (`split_count`), each
-program stores its float32 partial tile, and the last program of a tile to arrive (an atomic
-count per tile) adds the SPLITS partials in the fixed order 0, 1, ..., SPLITS - 1 and finishes
-the tile (`finish_unit`; README.md, "Split k"). Which program arrives last changes nothing.
-
-gemm_kernel      one program per unit, A and B loaded through pointers with masks: any strides.
-gemm_tma_kernel  persistent: each program walks units p, p + programs, ...; A and B tiles come
-                 through TMA tensor descriptors (the copy engine fetches a whole tile into
-                 shared memory and fills what lies past the edges with zeros: no masks). An
-                 operand that is the transpose of a contiguous matrix is described as that
-                 matrix and its tile transposed in shared memory (`load_tile`), which wgmma
-                 reads either way, so NN, NT, TN and TT all take it.
-
-`choose_path` sends tensor-core work of TMA_MIN_VOLUME = m n k or more to the TMA kernel when TMA
-can fetch both operands, through an aligned copy of the operand(s) it cannot fetch when the copy
-is cheap against the product ("staged"), and everything else to the pointer kernel: below that
-volume, decode steps included, the pointer kernel is as fast on the GPU and cheaper to launch.
-No addition depends on timing: the same inputs give the same bits on every run. `launch` starts
-either kernel: through kernel[grid] at the first call of a specialisation, straight to the
-compiled kernel after (README.md, "The host path").
+constants        the tile tiers, the one-row (decode) plan, split k, TMA's threshold, staging
+plans            `configuration` (tile, warps, stages, split of k: `row_plan`, `split_count`)
+                 and `additions`, the rounding count the bound needs (README.md, "Counting r")
+kernels          `gemm_kernel` (pointers and masks: any strides) and `gemm_tma_kernel`
+                 (persistent, tiles through TMA descriptors); both share `tile_of_program`
+                 (the grouped order) and `finish_unit` (split k's fixed-order sum of partials)
+host             `choose_path` (pointer, TMA or staged), `split_workspace`,
+                 `patch_triton_interpreter` (so the kernels run on a CPU under
+                 TRITON_INTERPRET=1), `launch` (Triton's host work done once per
+                 specialisation) and `gemm`, the public entry point
 """
 
 import contextlib
@@ -51,27 +35,20 @@ from reference import check_operands, to_float32
 
 # Eight tiles of C along m share each tile of B before the order moves on along n.
 GROUP_M = 8
-# The H200 has 132 SMs: the largest tile of which C has at least one per SM, else 64 x 64 so
-# that a small C still spreads over the chip.
+# The H200 has 132 SMs: a tier is used while C has at least one of its tiles per SM.
 SM_COUNT = 132
-# Measured on the H200 at 8192^3 (one run each, against torch.addmm in the same run):
-#   16-bit, 8 warps  128 x 256, 3 stages  594 TFLOP/s bf16 (86% of cuBLAS), 523 fp16 (81%)
-#                    128 x 256, 4 stages  573 bf16, 545 fp16 (85%)
-#                    256 x 128, 3 stages  532 bf16;  128 x 128, 3 stages  486 bf16 (71%)
-#   IEEE float32, 4096^3: 128 x 64 x 32, 4 warps, 3 stages  43.5 TFLOP/s (85% of cuBLAS's
-#                    50.9); 128 x 128 x 32, 8 warps  41.8; the same with BLOCK_K 16  39.9
-# A wide tile halves the loads per flop of a 128 x 128 one; its float32 accumulator is 128 of a
-# thread's registers over 8 warps, and 3 stages of A and B tiles take 144 KiB of shared memory.
+# The tiers: the largest tile of which C has at least SM_COUNT, each the fastest of the H200
+# sweeps in README.md's tuning log. 16-bit data: a 128 x 256 tile halves the loads per flop of a
+# 128 x 128 one; its float32 accumulator is 128 of a thread's registers over 8 warps, and 3
+# stages of A and B tiles take 144 KiB of shared memory.
 LARGE_TENSOR_CORE = {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
-# 16-bit data with fewer than 132 wide tiles: 128 x 128 while C still has one per SM. 2048^3
-# bf16 on the H200: 469 TFLOP/s against 205 for 64 x 64 (cuBLAS 551); 4 warps: 237.
+# 16-bit data with fewer than SM_COUNT wide tiles: 128 x 128 while C still has one per SM.
 MEDIUM_TENSOR_CORE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}
-# float32 through TF32 has the same 128 bytes of k per row of a stage, but 128 x 256 asked for
-# 245808 bytes of shared memory on the TMA path (Triton 3.6 on the H200), over the 232448 a
-# block may have: half as wide.
+# TF32: 128 x 256 needs more shared memory on the TMA path than a block may have: half as wide.
 LARGE_TF32 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 # IEEE float32 has no tensor-core path: tl.dot becomes FMAs on the CUDA cores.
 LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# Fewer tiles than SMs of every larger tier: 64 x 64, so that a small C still spreads over the chip.
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # A C of at most ONE_ROW rows (a decode step's tokens) is one row of tiles BLOCK_M = the next
 # power of two >= m rows tall (16 at least: tl.dot's smallest), so each element of B, the
@@ -94,11 +71,9 @@ ROW_UNIT_K = 2560
 MIN_SPLIT_STEPS = 4
 MAX_SPLITS = 8
 # Tensor-core work of m n k < TMA_MIN_VOLUME goes to the pointer kernel even where TMA can fetch
-# its operands. Measured on the H200 (bf16, CUDA-graph times, README.md's tuning log), pointer
-# against TMA: 1024^3 NN 8.5 us against 9.9, 1, 16 and 64 x 4096 x 4096 NT 9.4-12.1 against
-# 10.4-14.7 (all 1.1e9 or less), 128 x 4096 x 11008 NT (5.8e9) 40.1 against 39.2, 2048^3 (8.6e9)
-# 37.1 against 29.2; and the pointer call skips two descriptors on the host (about 5 us). The
-# crossover lies between 1024^3 and 2048^3; TMA_MIN_VOLUME is halfway on a side, 1536^3 (3.6e9).
+# its operands: below it the pointer kernel is as fast on the GPU and about 5 us cheaper on the
+# host (no descriptors). The H200's crossover lies between 1024^3 and 2048^3 (README.md, "Which
+# kernel"); this is halfway on a side.
 TMA_MIN_VOLUME = 1536**3
 # Stage an operand TMA cannot fetch (an aligned copy, then TMA) when each of its elements feeds
 # at least STAGE_MIN_REUSE products: the copy reads and writes 2 s bytes an element at about
