@@ -100,7 +100,7 @@ def magnitudes(q, k, v, causal, scale):
 
 
 def relative_p_error(score_error, largest):
-    """rho, the relative error of a row's exp terms (README.md, "Error bound"): the score's
+    """rho, the relative error of a row's exp terms (README.md, "The error bound"): the score's
     error and the rounding of score - shift (|score - shift| <= 2 max |score|) in the exponent,
     then exp2's own error."""
     return (2.0 ** (score_error + 2 * U32 * largest) - 1.0) + EX2
@@ -137,7 +137,7 @@ def check_forward(impl, q, k, v, causal, scale=None, o=None, lse=None):
 
 
 def backward_bounds(q, k, v, o_hat, lse_hat, do, causal, scale):
-    """Bounds on |dQ_hat - dQ|, |dK_hat - dK|, |dV_hat - dV| (README.md, "Error bound"): P is
+    """Bounds on |dQ_hat - dQ|, |dK_hat - dK|, |dV_hat - dV| (README.md, "The error bound"): P is
     recomputed from the saved lse (its error moves every P by e**|dlse| - 1 more), rounded to
     the input dtype for dV and dS; dP and D_i are float32 dots (D_i of the rounded O, whose own
     error the forward bound gives); the products' sums are float32; the store rounds once
