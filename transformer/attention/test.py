@@ -499,6 +499,54 @@ def test_triton_forward_uses_tma_and_wgmma_on_hopper(causal):
     assert ttgir.count("scf.for") == 2 and ttgir.count("ttng.warp_group_dot ") == 4
 
 
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    shapes = ((5, 2), (7, 1), (7, 1), (5, 2))  # (S, H): 5 queries, 7 keys, 2 heads on 1 KV head
+    q, k, v, do = (torch.randn(1, s, h, 16).to(dtype) for s, h in shapes)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 5)
+    triton_impl.attention_forward(q, k, v, True, None, o, lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    triton_impl.attention_backward(q, k, v, o, lse, do, True, None, dq, dk, dv)
+    outputs = dict(q=q, k=k, v=v, do=do, o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the causal forward and backward (grouped heads) on CPU tensors,
+    bfloat16 and float32, within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        q, k, v, o, lse = t["q"], t["k"], t["v"], t["o"], t["lse"]
+        scale = reference.default_scale(q.shape[3], None)
+        exact_o, exact_lse = float64_forward(q, k, v, True, scale)
+        o_bound, lse_bound = forward_bound(q, k, v, exact_o, True, scale)
+        assert_within_bound(o, exact_o, o_bound, "fresh O")
+        assert_within_bound(lse, exact_lse, lse_bound, "fresh lse")
+        exact, bounds = backward_bounds(q, k, v, o, lse, t["do"], True, scale)
+        for name, want, bound in zip(("dq", "dk", "dv"), exact, bounds, strict=True):
+            assert_within_bound(t[name], want, bound, f"fresh {name}")
+
+
 # (5) GPU-only sizes ---------------------------------------------------------------------------
 
 

@@ -808,6 +808,48 @@ def test_fused_bad_input_raises_before_launch(case):
         assert_same_bits(t, b, "an output after a rejected call")
 
 
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    x, dloss = (2 * torch.randn(4, 300)).to(dtype), torch.randn(4)
+    target = torch.tensor([5, -100, 299, 0])  # row 1 ignored
+    loss, lse = torch.empty(4), torch.empty(4)
+    triton_impl.cross_entropy_forward(x, target, -100, 0.1, loss, lse)
+    dx = triton_impl.cross_entropy_backward(x, target, lse, dloss, -100, 0.1, torch.empty_like(x))
+    outputs = dict(x=x, target=target, dloss=dloss, loss=loss, lse=lse, dx=dx)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    with label smoothing 0.1 and an ignored row, within their bounds: the README's laptop
+    command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        x, target, lse = t["x"], t["target"], t["lse"]
+        assert_forward_within_bound("triton", x, target, 0.1, -100, t["loss"], lse)
+        assert_backward_within_bound("triton", x, target, lse, t["dloss"], 0.1, -100, t["dx"])
+
+
 # (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
 
 cute_installed = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))

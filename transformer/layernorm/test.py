@@ -5,6 +5,7 @@ CPU, Triton under its interpreter, and the CuTe kernels are compiled for sm_90a 
 read; launching them needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import math
 import os
 import re
@@ -1037,6 +1038,54 @@ def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
     assert len(through_triton) >= MIN_SPECIALISATIONS
     for compiled, args in (launch for launch in launches if len(launch) == 2):
         assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    x, dy = torch.randn(3, 300).to(dtype), torch.randn(3, 300).to(dtype)
+    w, b = (1 + 0.5 * torch.randn(300)).to(dtype), (0.5 * torch.randn(300)).to(dtype)
+    stats = torch.empty(3), torch.empty(3)
+    y, mean, rstd = triton_impl.layernorm_forward(x, w, b, 1e-5, torch.empty_like(x), *stats)
+    grads = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+    dx, dw, db = triton_impl.layernorm_backward(x, w, mean, rstd, dy, *grads)
+    outputs = dict(x=x, w=w, b=b, dy=dy, y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        x, w, mean, rstd = t["x"], t["w"], t["mean"], t["rstd"]
+        exact = reference.layernorm_forward(x, w, t["b"], EPS)
+        bounds = forward_bounds("triton", x, w, EPS, exact)
+        for name, want, bound in zip(("y", "mean", "rstd"), exact, bounds, strict=True):
+            assert_within_bound(t[name], want, bound, f"fresh {name}")
+        exact = reference.layernorm_backward(x, w, mean, rstd, t["dy"])
+        bounds = backward_bounds("triton", x, w, mean, rstd, t["dy"], exact)
+        for name, want, bound in zip(("dx", "dw", "db"), exact, bounds, strict=True):
+            assert_within_bound(t[name], want, bound, f"fresh {name}")
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------

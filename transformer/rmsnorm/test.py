@@ -5,6 +5,7 @@ CPU, Triton under its interpreter, and the CuTe kernels are compiled for sm_90a 
 read; launching them needs the GPU, and those tests say so when they skip.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -946,6 +947,52 @@ def test_triton_builds_with_every_int_one():
     child = subprocess.run([sys.executable, "-c", TRITON_ONES_SCRIPT], cwd=HERE, env=env,
                            capture_output=True, text=True, check=False)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    x, dy = torch.randn(3, 300).to(dtype), torch.randn(3, 300).to(dtype)
+    w = (1 + 0.5 * torch.randn(300)).to(dtype)
+    y, rstd = triton_impl.rmsnorm_forward(x, w, 1e-6, torch.empty_like(x), torch.empty(3))
+    dx, dw = triton_impl.rmsnorm_backward(x, w, rstd, dy, torch.empty_like(x), torch.empty_like(w))
+    outputs = dict(x=x, w=w, dy=dy, y=y, rstd=rstd, dx=dx, dw=dw)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        x, w, rstd = t["x"], t["w"], t["rstd"]
+        exact_y, exact_rstd = reference.rmsnorm_forward(x, w, EPS)
+        y_bound, rstd_bound = forward_bounds("triton", x, w, EPS, exact_y, exact_rstd)
+        assert_within_bound(t["y"], exact_y, y_bound, "fresh y")
+        assert_within_bound(rstd, exact_rstd, rstd_bound, "fresh rstd")
+        exact_dx, exact_dw = reference.rmsnorm_backward(x, w, rstd, t["dy"], None, None)
+        bounds = backward_bounds("triton", x, w, rstd, t["dy"], exact_dx, exact_dw)
+        assert_within_bound(t["dx"], exact_dx, bounds[0], "fresh dx")
+        assert_within_bound(t["dw"], exact_dw, bounds[1], "fresh dweight")
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------

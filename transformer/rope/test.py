@@ -5,6 +5,7 @@ interpreter; a child process compiles the Triton kernel for sm_90 and reads its 
 kernel is compiled for sm_90a, its PTX read and its entry's checks run (launching it needs a GPU).
 """
 
+import json
 import math
 import os
 import re
@@ -370,6 +371,52 @@ def test_triton_ptx_has_128_bit_loads():
     for line in child.stdout.split("\n")[:-1]:
         table, interleaved, loads, stores, approx = line.split()
         assert (int(loads), int(stores), approx) == (4, 4, "False"), line
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    q, dq, k, dk = (torch.randn(2, 5, h, 8).to(dtype) for h in (3, 3, 1, 1))
+    theta = torch.rand(5, 4) * 6.28  # a (positions, D/2) table of angles in [0, 2 pi)
+    angles = dict(cos=theta.cos(), sin=theta.sin())
+    q_out, k_out = triton_impl.rope_forward(q, k, torch.empty_like(q), torch.empty_like(k),
+                                            **angles)
+    dq_out, dk_out = triton_impl.rope_backward(dq, dk, torch.empty_like(q), torch.empty_like(k),
+                                               **angles)
+    outputs = dict(q=q, k=k, dq=dq, dk=dk, q_out=q_out, k_out=k_out, dq_out=dq_out, dk_out=dk_out)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in {**outputs, **angles}.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        angles = {"cos": t["cos"], "sin": t["sin"]}
+        for direction, (a, b) in (("forward", ("q", "k")), ("backward", ("dq", "dk"))):
+            exact = getattr(reference, f"rope_{direction}")(t[a], t[b], **angles)
+            for name, want in zip((a, b), exact, strict=True):
+                bound = rope_bounds(t[name], want, angles, None, False, "bshd")
+                assert_within_bound(t[f"{name}_out"], want, bound, f"fresh {direction} {name}")
 
 
 # (4) CuTe builds, dispatch and PTX ---------------------------------------------------------

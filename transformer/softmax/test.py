@@ -6,8 +6,10 @@ read; launching them needs the GPU, and those tests say so when they skip.
 """
 
 import itertools
+import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -604,6 +606,47 @@ def test_triton_launch_once_through_triton_per_specialisation(monkeypatch):
     assert len(through_triton) >= MIN_SPECIALISATIONS
     for compiled, args in (launch for launch in launches if len(launch) == 2):
         assert str(compiled.kernel.binder(*args)[1]) == compiled.specialised
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    x, dy = torch.randn(3, 300).to(dtype), torch.randn(3, 300).to(dtype)
+    y = triton_impl.softmax_forward(x, torch.empty_like(x))
+    dx = triton_impl.softmax_backward(y, dy, torch.empty_like(x))
+    outputs = dict(x=x, dy=dy, y=y, dx=dx)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        exact = reference.softmax_forward(t["x"])
+        assert_within_bound(t["y"], exact, forward_bound("triton", t["x"], exact), "fresh y")
+        exact = reference.softmax_backward(t["y"], t["dy"])
+        bound = backward_bound("triton", t["y"], t["dy"], exact)
+        assert_within_bound(t["dx"], exact, bound, "fresh dx")
 
 
 # (4) CuTe builds and PTX ---------------------------------------------------------------------

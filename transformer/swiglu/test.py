@@ -5,6 +5,7 @@ interpreter; the Triton and CuTe kernels are also compiled for sm_90(a) and thei
 (launching a CuTe kernel needs the GPU: those tests skip and say so).
 """
 
+import json
 import math
 import os
 import re
@@ -642,6 +643,50 @@ def test_triton_builds_for_sm90():
     child = subprocess.run([sys.executable, "-c", TRITON_BUILD_SCRIPT], cwd=HERE, env=env,
                            capture_output=True, text=True, check=False)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+# A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
+FRESH_CALL = """
+import json, torch, triton_impl
+calls = []
+for dtype in (torch.bfloat16, torch.float32):
+    g, u = (3 * torch.randn(3, 300)).to(dtype), (3 * torch.randn(3, 300)).to(dtype)
+    dy = torch.randn(3, 300).to(dtype)
+    y = triton_impl.swiglu_forward(g, u, torch.empty_like(g))
+    dg, du = triton_impl.swiglu_backward(g, u, dy, torch.empty_like(g), torch.empty_like(u))
+    outputs = dict(g=g, u=u, dy=dy, y=y, dg=dg, du=du)
+    calls.append({name: (str(t.dtype), t.tolist()) for name, t in outputs.items()})
+print(json.dumps(calls))
+"""
+
+
+def fresh_interpreter_calls(script):
+    """Run script in a fresh process under TRITON_INTERPRET=1 in this folder (no test.py, no
+    common/); returns its printed calls, each a {name: tensor} dict rebuilt with its dtype."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return [
+        {name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+         for name, (dtype, values) in call.items()}
+        for call in json.loads(child.stdout)
+    ]  # fmt: skip
+
+
+def test_triton_kernels_run_in_a_fresh_interpreter():
+    """In a fresh process under TRITON_INTERPRET=1, importing triton_impl alone (its interpreter
+    patch included) runs the forward and the backward on CPU tensors, bfloat16 and float32,
+    within their bounds: the README's laptop command works."""
+    for t in fresh_interpreter_calls(FRESH_CALL):
+        g, u, dy = t["g"], t["u"], t["dy"]
+        exact = reference.swiglu_forward(g, u)
+        assert_within_bound(t["y"], exact, forward_bound("triton", g, u, exact), "fresh y")
+        exact_dg, exact_du = reference.swiglu_backward(g, u, dy)
+        dg_bound, du_bound = backward_bounds("triton", g, u, dy, exact_dg, exact_du)
+        assert_within_bound(t["dg"], exact_dg, dg_bound, "fresh dg")
+        assert_within_bound(t["du"], exact_du, du_bound, "fresh du")
 
 
 # (4) CuTe builds, dispatch and PTX ---------------------------------------------------------
