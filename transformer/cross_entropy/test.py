@@ -534,18 +534,19 @@ def test_torch_compile_fullgraph(impl):
 
     backend = "inductor" if ON_GPU else "aot_eager"
     compiled = torch.compile(step, fullgraph=True, backend=backend)
-    assert_same_bits(compiled(x), step(x))
-    (weight_grad,) = torch.autograd.grad(compiled(x), linear.weight)  # the traced backward runs
+    compiled_loss = compiled(x)
+    assert_same_bits(compiled_loss, step(x))
+    (weight_grad,) = torch.autograd.grad(compiled_loss, linear.weight)  # the traced backward runs
     assert weight_grad.isfinite().all()
     # The logits' gradient, eager and traced, each inside the backward's bound.
     logits = linear(x).detach()
     rows = [torch.empty(8, device=DEVICE) for _ in range(2)]
     _, lse = MODULES[impl].cross_entropy_forward(logits, target, -100, 0.1, *rows)
+    dloss = fused_dloss(target, "mean")
     loss_of_logits = lambda z: loss_fn(z, target)  # noqa: E731
     for run in (loss_of_logits, torch.compile(loss_of_logits, fullgraph=True, backend=backend)):
         leaf = logits.clone().requires_grad_()
         (dlogits,) = torch.autograd.grad(run(leaf), leaf)
-        dloss = fused_dloss(target, "mean")
         assert_backward_within_bound(impl, logits, target, lse, dloss, 0.1, -100, dlogits)
 
 
