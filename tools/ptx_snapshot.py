@@ -54,6 +54,7 @@ def keep(out, kind, name, ptx, listing):
 def record_triton_launches(out, listing):
     """Patch the interpreter: each launch also compiles its kernel for sm_90a and keeps the PTX."""
     import triton
+    import triton.experimental.gluon  # noqa: F401 - imported now: it refuses interpreted functions later
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver, interpreter
     from triton.runtime.errors import InterpreterError
@@ -79,8 +80,6 @@ def record_triton_launches(out, listing):
             twins[interpreted] = JITFunction(interpreted.fn, **interpreted.kwargs)
         return twins[interpreted]
 
-    import triton.experimental.gluon  # noqa: F401 - imported now: it refuses interpreted functions later
-
     def swap_globals(fn):
         """Point fn's module and triton.language at JIT twins of their @triton.jit functions while
         fn compiles (under the interpreter every @triton.jit, tl.sum's included, is interpreted)."""
@@ -97,7 +96,7 @@ def record_triton_launches(out, listing):
         return saved
 
     interpret = InterpretedFunction.run
-    seen = set()
+    kept = set()  # the compiled kernels already kept: Triton's cache returns the same one again
 
     def run_and_compile(self, *args, grid, warmup, **kwargs):
         saved = swap_globals(self.fn)
@@ -106,10 +105,9 @@ def record_triton_launches(out, listing):
         triton.knobs.runtime.interpret = False
         try:
             kernel = twin(self).run(*args, grid=grid, warmup=True, **kwargs)
-            ptx = kernel.asm["ptx"]
-            if (self.fn.__name__, ptx) not in seen:
-                seen.add((self.fn.__name__, ptx))
-                keep(out, "triton", self.fn.__name__, ptx, listing)
+            if kernel not in kept:
+                kept.add(kernel)
+                keep(out, "triton", self.fn.__name__, kernel.asm["ptx"], listing)
         except Exception as error:  # noqa: BLE001 - listed, so a before/after diff shows it
             if os.environ.get("PTX_SNAPSHOT_DEBUG"):
                 import traceback
