@@ -10,9 +10,9 @@ Here a work unit is a tile AND a slice of k: unit (tile, s) multiplies k steps
 workspace from torch's allocator; a second kernel on the same stream (`sum_partials`) adds the
 S partials of each element in the fixed order s = 0, 1, ..., S - 1 and finishes it as every
 step does, alpha * sum + beta * c rounded once. No atomics and no order that depends on which
-block finishes first: the same bits on every run. At m <= 64 a unit's tile has 64 rows
-(step 2's `hopper_tile_m`), split along n between the two consumer warpgroups: no A row of
-the ring is padding, so the ring holds more stages of W (README.md, "Step 3").
+block finishes first: the same bits on every run. At m <= 128 a unit's tile has 64 rows
+(`split_tile_m`), split along n between the two consumer warpgroups: no A row of the ring is
+padding, so the ring holds more stages of W (README.md, "Step 3").
 
 Rounding: a term of slice s meets at most k_s additions there (k_s of the slice's k values,
 step 2's serial count) and at most S - 1 in the sum of the partials. Every slice holds at least
@@ -38,12 +38,13 @@ from cute_2_tma_wgmma import (
     TILE_K_BYTES,
     TILE_M,
     TMA_ALIGN_BYTES,
+    WGMMA_M,
     ceil_div,
     choose_kernel,
     finish_tile,
     hopper_operands,
     hopper_tile_m,
-    ring_stages,
+    hopper_tile_n,
     run_roles,
     sm_count,
 )
@@ -52,57 +53,58 @@ from cute_2_tma_wgmma import (
 # 9 of 64 x 128, 5 of 64 x 256), so that a unit streams W at full rate for longer than it takes
 # to fill the ring.
 MIN_SPLIT_STEPS = 8
-# A partial costs 8 bytes an element: written by its unit, read back by sum_partials, both
-# spread over the whole chip. The second kernel's start and tail cost about SPLIT_START_BYTES
-# of one SM's streaming (fitted to the H200 sweep in README.md's tuning log: at 128 x 11008 x
-# 4096, any split took 9-11 us more than none).
+# A unit advances one k step (TILE_K_BYTES of each column of its B tile) about every STEP_US,
+# whatever its width: on the H200, units of 64 x 128 and 64 x 256 both took 0.45-0.5 us a step
+# (16 and 32 KiB of W), so a unit's time is its count of k steps, and the chip's is its busiest
+# SM's units or W's bytes at HBM's rate, whichever is longer (README.md, tuning log, "The decode
+# plan measured"). The constants below price every plan of that sweep within 3% of its best.
+STEP_US = 0.45
+HBM_BYTES_PER_US = 4.24e6
+# A partial costs 8 bytes an element: written by its unit, read back by sum_partials, both at
+# HBM's rate; the second kernel's start and tail cost about SPLIT_START_US.
 PARTIAL_BYTES = 8
-SPLIT_START_BYTES = 128 * 1024
-# Little's law: an SM streams W at its share of HBM (4.24 TB/s over 132 SMs, 32 GB/s) only while
-# about IN_FLIGHT_BYTES of it are in flight, 32 GB/s times ~2.8 us of loaded latency (fitted to
-# the H200's unsplit 128 x 11008 x 4096 with 96 KiB of ring, 35.1 us, and Triton's 64 x 11008 x
-# 4096 with 128 KiB, 31.2; README.md's tuning log). A shallower ring streams more slowly; a
-# deeper one lets fewer SMs than all take HBM's whole rate.
-IN_FLIGHT_BYTES = 90 * 1024
+SPLIT_START_US = 3.0
 # Workspace rows start on 16-byte boundaries (4 float32): pairs of columns store as one access.
 PARTIAL_ROW_ALIGN = 4
 SUM_THREADS = 256  # sum_partials: a block sums 256 adjacent columns of one row
 
 
+def split_tile_m(m):
+    """A split unit's tile height: 64 rows while C has at most one 128-row tile row (m <= 128;
+    two 64-row tiles read the same W tile, the second mostly from L2), else TILE_M. A 128-row
+    unit of a decode step does twice the wgmma work of a 64-row one for the same W."""
+    return WGMMA_M if m <= TILE_M else TILE_M
+
+
 @functools.lru_cache(maxsize=4096)
 def split_plan(m, n, k, itemsize):
     """(tile_n, S) for split k, or None to run step 2: None when C already has a 128 x 128 tile
-    per SM. Otherwise the choice whose busiest SM takes the least time, counted in bytes moved
-    at its share of HBM: its waves of units, each a slice's B tiles (TILE_K_BYTES a column a k
-    step), slowed by a ring of fewer than IN_FLIGHT_BYTES of B (and sped up, while fewer SMs
-    than all are busy, to at most HBM's whole rate), plus, when k is split, its share of the
-    partials' traffic (S m n PARTIAL_BYTES over SM_COUNT SMs) and SPLIT_START_BYTES; over
-    tile_n in (128, 256) and S from 1 to the most slices of MIN_SPLIT_STEPS or more; ties go
-    to fewer slices, then fewer units. Every slice gets at least one k step; S = 1 means step
-    2. The tiles are hopper_tile_m(m) rows high (one tile row for m <= 128)."""
-    tile_m = hopper_tile_m(m)
-    tiles_m = ceil_div(m, tile_m)
-    if tiles_m * ceil_div(n, 128) >= SM_COUNT:
+    per SM. Otherwise the plan of least modelled time: max(its busiest SM's waves of units times
+    their k steps times STEP_US, W's bytes, read once per tile row, at HBM's rate), plus, when k
+    is split, its partials' traffic (S m n PARTIAL_BYTES at HBM's rate) and SPLIT_START_US; over
+    step 2's own tile unsplit (hopper_tile_m, hopper_tile_n), and split_tile_m(m) rows by 128 or
+    256 columns with S from 2 to the most slices of MIN_SPLIT_STEPS or more. Ties go to fewer
+    slices. Every slice gets at least one k step."""
+    if ceil_div(m, hopper_tile_m(m)) * ceil_div(n, 128) >= SM_COUNT:
         return None
     k_steps = ceil_div(k * itemsize, TILE_K_BYTES)
-    best = None
+
+    def modelled_us(tile_m, tile_n, splits):
+        tiles_m = ceil_div(m, tile_m)
+        units = tiles_m * ceil_div(n, tile_n) * splits
+        streaming = ceil_div(units, SM_COUNT) * ceil_div(k_steps, splits) * STEP_US
+        us = max(streaming, tiles_m * n * k * itemsize / HBM_BYTES_PER_US)
+        if splits > 1:
+            us += splits * m * n * PARTIAL_BYTES / HBM_BYTES_PER_US + SPLIT_START_US
+        return us
+
+    best = (modelled_us(hopper_tile_m(m), hopper_tile_n(m, n), 1), 1, 0)
     for tile_n in (128, 256):
-        tiles = tiles_m * ceil_div(n, tile_n)
-        ring_bytes = ring_stages(tile_m, tile_n) * tile_n * TILE_K_BYTES
-        for splits in range(1, min(k_steps // MIN_SPLIT_STEPS, SM_COUNT) + 1):
-            steps = ceil_div(k_steps, splits)
-            if ceil_div(k_steps, steps) < splits:
+        for splits in range(2, min(k_steps // MIN_SPLIT_STEPS, SM_COUNT) + 1):
+            if ceil_div(k_steps, ceil_div(k_steps, splits)) < splits:
                 continue  # the last slice would be empty: fewer slices do the same
-            units = tiles * splits
-            pace = max(IN_FLIGHT_BYTES / ring_bytes, min(units, SM_COUNT) / SM_COUNT)
-            busiest = ceil_div(units, SM_COUNT) * tile_n * steps * TILE_K_BYTES * pace
-            if splits > 1:
-                busiest += splits * m * n * PARTIAL_BYTES // SM_COUNT + SPLIT_START_BYTES
-            candidate = (busiest, splits, units, tile_n)
-            best = candidate if best is None else min(best, candidate)
-    if best is None or best[1] == 1:
-        return None
-    return best[3], best[1]
+            best = min(best, (modelled_us(split_tile_m(m), tile_n, splits), splits, tile_n))
+    return None if best[1] == 1 else (best[2], best[1])
 
 
 @cute.jit
@@ -274,7 +276,7 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
         return step2.run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m)
     a_k_major, b_k_major, tile_n, splits = plan
     (m, _), n = A.shape, B.shape[1]
-    tile_m = hopper_tile_m(m)
+    tile_m = split_tile_m(m)
     # From torch's caching allocator, on C's stream: safe to capture in a CUDA graph.
     row = ceil_div(n, PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
     partials = torch.empty((splits, m, row), dtype=torch.float32, device=C.device)[:, :, :n]

@@ -39,8 +39,9 @@ MAX_SPLITS = 8
 def plan_taken(m, n, k):
     """(tile_m, tile_n, S) as cute_impl chooses them for NT bf16 (S = 1: step 2's kernel)."""
     plan = step3.split_plan(m, n, k, 2)
-    tile_n, splits = plan if plan is not None else (step2.hopper_tile_n(m, n), 1)
-    return step2.hopper_tile_m(m), tile_n, splits
+    if plan is None:
+        return step2.hopper_tile_m(m), step2.hopper_tile_n(m, n), 1
+    return step3.split_tile_m(m), *plan
 
 
 @contextlib.contextmanager
@@ -48,11 +49,11 @@ def forced(tile_m, tile_n, splits):
     """Every call inside takes this plan: split_plan and the tile rules replaced."""
     saved = [
         (step3, "split_plan"), (step2, "hopper_tile_m"), (step3, "hopper_tile_m"),
-        (step2, "hopper_tile_n"),
+        (step3, "split_tile_m"), (step2, "hopper_tile_n"),
     ]  # fmt: skip
     saved = [(module, name, getattr(module, name)) for module, name in saved]
     step3.split_plan = lambda *_: None if splits == 1 else (tile_n, splits)
-    step2.hopper_tile_m = step3.hopper_tile_m = lambda m: tile_m
+    step2.hopper_tile_m = step3.hopper_tile_m = step3.split_tile_m = lambda m: tile_m
     step2.hopper_tile_n = lambda m, n: tile_n
     try:
         yield

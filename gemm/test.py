@@ -1403,20 +1403,24 @@ DECODE_NK = [(4096, 4096), (11008, 4096), (4096, 11008)]
 
 @needs_cute
 def test_cute_split_plan():
-    """split_plan, the host's rule: the decode shapes at n = 4096 split k into 4 slices of 16
-    or 43 k steps, 128 units for 132 SMs, or at m = 64, where the partials cost more, 3 (96
-    units); n = 11008 (86 tiles) is not split: 86 SMs streaming W from deep rings take HBM's
-    whole rate, and the partials' traffic would cost more than a split gains; a C with a 128 x
-    128 tile per SM, or a k too short for two slices, runs step 2 (None). Over many shapes,
-    every slice holds at least one k step, so a term meets k_s + S - 1 <= k additions (the
-    count `roundings` keeps)."""
+    """split_plan, the host's rule (a unit's time is its k steps at STEP_US each; the chip's,
+    its busiest SM's or W's bytes at HBM's rate): up to 64 tokens, n = 4096 splits k into 4
+    slices, 128 units of 64 x 128 for 132 SMs, and n = 11008 into 2 slices of 64 x 256 tiles (86
+    units; its 86 unsplit 64 x 128 tiles were the slowest plan measured); 65 to 128 tokens split
+    n = 4096 twice on two rows of 64-row tiles and leave n = 11008 to step 2's 128 x 128 tiles,
+    which its 128 x 11008 partials would cost more than a split gains; a C with a 128 x 128
+    tile per SM, or a k too short for two slices, runs step 2 (None). Over many shapes, every
+    slice holds at least one k step, so a term meets k_s + S - 1 <= k additions (the count
+    `roundings` keeps)."""
     plan = cute_step3.split_plan
-    for m in (1, 16, 128):
+    for m in (1, 16, 64):
         assert plan(m, 4096, 4096, 2) == (128, 4)  # 32 tiles x 4 slices of 16 k steps
         assert plan(m, 4096, 11008, 2) == (128, 4)  # 32 tiles x 4 slices of 43
-    assert plan(64, 4096, 4096, 2) == plan(64, 4096, 11008, 2) == (128, 3)
-    for m in (1, 16, 64, 128):
-        assert plan(m, 11008, 4096, 2) is None  # 86 tiles, one wave, 64 x 128 or 128 x 128
+        assert plan(m, 11008, 4096, 2) == (256, 2)  # 43 tiles x 2 slices of 32
+    for m in (65, 128):
+        assert cute_step3.split_tile_m(m) == 64
+        assert plan(m, 4096, 4096, 2) == plan(m, 4096, 11008, 2) == (128, 2)  # 2 x 32 x 2 units
+        assert plan(m, 11008, 4096, 2) is None  # 86 tiles of 128 x 128, one wave
     assert plan(4096, 4096, 4096, 2) is None  # 1024 tiles
     assert plan(129, 16384, 4096, 2) is None  # 2 x 128 = 256 tiles
     assert plan(64, 4096, 960, 2) is None  # 15 k steps: no two slices of 8
@@ -1446,7 +1450,7 @@ def test_cute_split_dispatch():
     x = padded_matrix(16, 4096, torch.bfloat16, False, "cpu")
     assert cute_step3.choose_split(x[:, 1:], W.T[1:], False) is None  # off the 16-byte grid
     assert cute_step3.choose_split(x.float(), W.T.float(), False) is None  # IEEE: step 1
-    assert cute_step3.choose_split(x.float(), W.T.float(), True) == (True, True, 128, 3)  # TF32
+    assert cute_step3.choose_split(x.float(), W.T.float(), True) == (True, True, 128, 4)  # TF32
     assert cute_step3.choose_split(x[:, :512], W.T[:512], False) is None  # 8 k steps
 
 
@@ -1722,7 +1726,7 @@ def test_cute_split_k_edges(monkeypatch, layout, dtype, case):
 @pytest.mark.parametrize("nk", DECODE_NK, ids=str)
 def test_cute_split_k_decode(m, nk):
     """The decode shapes themselves, NT (x times W^T) in bfloat16, on split_plan's own choice
-    (every shape split but n = 11008 x 4096, which step 2 runs whole), against the float64
+    (every shape split but 128 x 11008 x 4096, which step 2 runs whole), against the float64
     stand-in; two calls give the same bits, and so does a run with 3 blocks, which hands the
     units to blocks in another order: each element's sum depends on the plan only."""
     implementation("cute")  # skips without a GPU
@@ -1731,7 +1735,7 @@ def test_cute_split_k_decode(m, nk):
     B = random_matrix(k, n, torch.bfloat16, transposed=True)
     C = random_matrix(m, n, torch.bfloat16)
     unsplit = cute_step3.choose_split(A, B, False) is None
-    assert unsplit == (n == 11008)
+    assert unsplit == (n == 11008 and m > 64)
     exact = float64_gemm(ALPHA, A, B, BETA, C)
     bound = error_bound("cute", ALPHA, A, B, BETA, C, exact, STAND_IN_ERROR(k))
     first, second, few_blocks = C.clone(), C.clone(), C.clone()
@@ -1799,9 +1803,9 @@ def test_cute_decode_tile_tf32_ptx():
 @pytest.mark.parametrize("m", [*DECODE_TILE_ROWS, 128])
 def test_cute_decode_tile_rule(monkeypatch, m):
     """The builds a call asks for, read on CPU tensors with the compiled functions replaced by
-    recorders: a C of at most 64 rows gets 64-row tiles (hopper_tile_m), split by step 3 (k =
-    4096: 32 tiles times split_plan's slices, a block each) or run whole by step 2 (k = 960,
-    clusters of 1); more rows get 128-row tiles."""
+    recorders: step 3 splits k = 4096 on 64-row tiles up to 128 rows (split_tile_m: 32 tiles a
+    tile row times split_plan's slices, a block each); step 2 runs k = 960 whole, in clusters
+    of 1, on 64-row tiles up to 64 rows (hopper_tile_m) and 128-row tiles above."""
     builds = []
 
     def recorder(step):
@@ -1822,11 +1826,12 @@ def test_cute_decode_tile_rule(monkeypatch, m):
         C = torch.empty(m, 4096, dtype=torch.bfloat16)
         cute_step3.run_checked(A, B, C, 1.0, 1.0, True, True, False, 2)
         built_step, key, blocks = builds.pop()
-        assert built_step == step and key[3] == tile_m and key[4] == 128, key
+        assert built_step == step and key[4] == 128, key
         if step == 3:
-            assert blocks == 32 * cute_step3.split_plan(m, 4096, k, 2)[1]
-        else:
-            assert key[-1] == 1 and blocks == 32  # one tile row: no partner block
+            slices = cute_step3.split_plan(m, 4096, k, 2)[1]
+            assert key[3] == 64 and blocks == -(-m // 64) * 32 * slices
+        else:  # one tile row: clusters of 1, no partner block
+            assert key[3] == tile_m and key[-1] == 1 and blocks == 32
 
 
 def aligned_guarded(values, transposed):
