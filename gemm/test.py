@@ -655,13 +655,14 @@ def record_launches(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.usefixtures("tma_at_any_size")
 def test_large_tiles(monkeypatch, aligned, layout, dtype):
-    """The large configurations (128 x 256 and 128 x 128 on the tensor cores, 128 x 64 for IEEE
-    float32), which the rule picks only for a C of 132 tiles or more (too big for the
-    interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once. Operands with
-    rows (or, transposed, columns) of any length take the pointer kernel, 16-byte aligned ones
-    the TMA kernel (on the tensor cores), in all four layouts."""
-    configs = {tuple(triton_impl.configuration(s, s, 65, dtype).items()) for s in (4096, 2048)}
-    assert len(configs) == (1 if dtype == torch.float32 else 2)
+    """The tiers' configurations (128 x 256, 128 x 128 and 64 x 128 on the tensor cores, 128 x 64
+    for IEEE float32), which the rule picks only for a C of FULL_WAVE = 124 tiles or more (too
+    big for the interpreter), forced on a 129 x 130 x 65 problem: every tile edge at once.
+    Operands with rows (or, transposed, columns) of any length take the pointer kernel, 16-byte
+    aligned ones the TMA kernel (on the tensor cores), in all four layouts."""
+    sides = (4096, 1536, 1024)  # 16-bit: 128 x 256, 128 x 128, 64 x 128 tiles
+    configs = {tuple(triton_impl.configuration(s, s, 65, dtype).items()) for s in sides}
+    assert len(configs) == (1 if dtype == torch.float32 else 3)
     m, n, k = 129, 130, 65
     matrix = padded_matrix if aligned else random_matrix
     A, B = matrix(m, k, dtype, layout[0] == "T"), matrix(k, n, dtype, layout[1] == "T")
@@ -670,7 +671,7 @@ def test_large_tiles(monkeypatch, aligned, layout, dtype):
     launched = record_launches(monkeypatch)
     for config in configs:
         config = dict(config)
-        assert config["BLOCK_M"] == 128 and config["BLOCK_N"] in (64, 128, 256)
+        assert config["BLOCK_M"] in (64, 128) and config["BLOCK_N"] in (64, 128, 256)
         assert config["SPLITS"] == 1
         monkeypatch.setattr(triton_impl, "configuration", lambda *_, fixed=config: fixed)
         check("triton", ALPHA, A, B, BETA, random_matrix(m, n, dtype), f"tiles {config}")
@@ -688,8 +689,9 @@ def test_grouped_order(impl):
 def test_configuration_rule():
     """BLOCK_K is 128 bytes of a row; a C of at most 128 rows is one row of tiles 16, 32, 64 or
     128 rows tall (the next power of two, 16 at least) and 128 wide; a taller one takes the
-    largest tile of which it has at least one per H200 SM: 128 x 256, then 128 x 128 for 16-bit
-    data, 128 x 128 for float32 with TF32, 128 x 64 for IEEE float32; else 64 x 64."""
+    largest tile of which it has at least FULL_WAVE (124 of the H200's 132 SMs): 128 x 256, then
+    128 x 128, then 64 x 128 for 16-bit data, 128 x 128 for float32 with TF32, 128 x 64 for IEEE
+    float32; else 64 x 64."""
     rule = triton_impl.configuration
     for dtype, block_k in ((torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 64)):
         assert rule(16384, 4096, 4096, dtype)["BLOCK_K"] == block_k
@@ -702,7 +704,12 @@ def test_configuration_rule():
     assert rule(1536, 2816, 64, torch.bfloat16)["BLOCK_N"] == 256  # 12 x 11
     medium = rule(1536, 2560, 64, torch.bfloat16)  # 12 x 10 wide, 12 x 20
     assert (medium["BLOCK_N"], medium["num_stages"]) == (128, 4)
-    assert rule(1408, 1408, 64, torch.bfloat16)["BLOCK_M"] == 64  # 11 x 11
+    assert triton_impl.FULL_WAVE == 124
+    assert rule(2048, 2048, 2048, torch.bfloat16)["BLOCK_N"] == 256  # 8 x 16 = 128 tiles
+    for side in (1408, 1024):  # 11 x 11 and 8 x 8 of 128 x 128; 22 x 11 and 16 x 8 of 64 x 128
+        narrow = rule(side, side, 64, torch.bfloat16)
+        assert (narrow["BLOCK_M"], narrow["BLOCK_N"], narrow["num_warps"]) == (64, 128, 4)
+    assert rule(768, 768, 64, torch.bfloat16)["BLOCK_N"] == 64  # 12 x 6 of 64 x 128
     assert rule(1536, 768, 64, torch.float32)["BLOCK_M"] == 128  # 12 x 12
     assert rule(1536, 640, 64, torch.float32)["BLOCK_M"] == 64  # 12 x 10
     tf32 = rule(1536, 2816, 64, torch.float32, True)

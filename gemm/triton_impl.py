@@ -37,19 +37,25 @@ from reference import check_operands, to_float32
 GROUP_M = 8
 # The H200 has 132 SMs: a tier is used while C has at least one of its tiles per SM.
 SM_COUNT = 132
-# The tiers: the largest tile of which C has at least SM_COUNT, each the fastest of the H200
+# The tiers: the largest tile of which C has at least FULL_WAVE, each the fastest of the H200
 # sweeps in README.md's tuning log. 16-bit data: a 128 x 256 tile halves the loads per flop of a
 # 128 x 128 one; its float32 accumulator is 128 of a thread's registers over 8 warps, and 3
 # stages of A and B tiles take 144 KiB of shared memory.
 LARGE_TENSOR_CORE = {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3}
-# 16-bit data with fewer than SM_COUNT wide tiles: 128 x 128 while C still has one per SM.
+# 16-bit data with fewer than FULL_WAVE wide tiles: 128 x 128 while C still has about one per SM,
+# then 64 x 128 (1024^3: 128 tiles, one wave; 0.76x cuBLAS against 0.64x on 64 x 64 tiles).
 MEDIUM_TENSOR_CORE = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}
+NARROW_TENSOR_CORE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
 # TF32: 128 x 256 needs more shared memory on the TMA path than a block may have: half as wide.
 LARGE_TF32 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 # IEEE float32 has no tensor-core path: tl.dot becomes FMAs on the CUDA cores.
 LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # Fewer tiles than SMs of every larger tier: 64 x 64, so that a small C still spreads over the chip.
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# A tier is taken when C has at least FULL_WAVE of its tiles: one wave with at most 1/16 of the
+# SMs idle beats two waves of tiles half the size (2048^3: 128 tiles of 128 x 256 ran at 0.93x
+# cuBLAS, 256 of 128 x 128 at 0.82x; README.md, "Medium sizes").
+FULL_WAVE = SM_COUNT - SM_COUNT // 16
 # A C of at most ONE_ROW rows (a decode step's tokens) is one row of tiles BLOCK_M = the next
 # power of two >= m rows tall (16 at least: tl.dot's smallest), so each element of B, the
 # weight, is loaded once: the call is bound by B's 2nk bytes, not by flops. `row_plan` picks the
@@ -99,7 +105,7 @@ def tiers_of(dtype, allow_tf32):
     their shape."""
     block_k = {"BLOCK_K": 128 // dtype.itemsize}
     if dtype != torch.float32:
-        tiers = [LARGE_TENSOR_CORE, MEDIUM_TENSOR_CORE]
+        tiers = [LARGE_TENSOR_CORE, MEDIUM_TENSOR_CORE, NARROW_TENSOR_CORE]
     else:
         tiers = [LARGE_TF32 if allow_tf32 else LARGE_IEEE_FLOAT32]
     return [{**tile, **block_k} for tile in tiers], {**SMALL, **block_k}
@@ -154,15 +160,15 @@ def tiles_of(m, n, tile):
 @functools.lru_cache(maxsize=4096)
 def configuration(m, n, k, dtype, allow_tf32=False):
     """The launch's constants for an m x n C of `dtype` summed over k (k = 0: nothing read):
-    one row of tiles for m <= ONE_ROW, else the first tier of which C has at least one tile per
-    SM, else the small one (`tiers_of`); SPLITS ranges of k_per_split (a whole number of k
+    one row of tiles for m <= ONE_ROW, else the first tier of which C has at least FULL_WAVE
+    tiles, else the small one (`tiers_of`); SPLITS ranges of k_per_split (a whole number of k
     steps), none empty; the precision of tl.dot. Cached, so that a call builds no dict: a model
     calls a few shapes over and over. The dicts are shared; nobody edits them."""
     if m <= ONE_ROW:
         tile, splits = row_plan(m, n, k, dtype.itemsize)
     else:
         tiers, small = TIERS[dtype, bool(allow_tf32)]
-        tile = next((t for t in tiers if tiles_of(m, n, t) >= SM_COUNT), small)
+        tile = next((t for t in tiers if tiles_of(m, n, t) >= FULL_WAVE), small)
         splits = split_count(tiles_of(m, n, tile), ceil_div(k, tile["BLOCK_K"]))
     block_k = tile["BLOCK_K"]
     k_per_split = ceil_div(ceil_div(k, splits), block_k) * block_k
