@@ -180,10 +180,11 @@ def softmax_forward_cluster_kernel(
 ):  # fmt: skip
     block, _, _ = cute.arch.block_idx()
     row, first_tile = block // size, (block % size) * tiles
+    x_row, y_row = x[row, None], y[row, None]
     max_arrived, sum_arrived = start_cluster(2, size)  # the two exchanges' mbarriers
     values = held_values(tiles, values_per_tile)
     fill = -cutlass.Float32.inf  # exp(-inf) = 0: lanes past n add nothing
-    load_slice([(x_copies, x[row, None], values)], first_tile, n, tile_elems, fill)
+    load_slice([(x_copies, x_row, values)], first_tile, n, tile_elems, fill)
     wait_for_cluster(size)
     shift = blocks.finite_shift(cluster_max(pairwise_max(flat(values)), max_arrived, size))
     for t in cutlass.range_constexpr(tiles):
@@ -194,7 +195,7 @@ def softmax_forward_cluster_kernel(
     for t in cutlass.range_constexpr(tiles):
         for j in cutlass.range_constexpr(values_per_tile):
             values[t][j] = values[t][j] * inverse
-    store_slice(y_copies, y[row, None], first_tile, n, tile_elems, values)
+    store_slice(y_copies, y_row, first_tile, n, tile_elems, values)
 
 
 @cute.kernel
@@ -205,9 +206,10 @@ def softmax_backward_cluster_kernel(
 ):  # fmt: skip
     block, _, _ = cute.arch.block_idx()
     row, first_tile = block // size, (block % size) * tiles
+    y_row, dy_row, dx_row = y[row, None], dy[row, None], dx[row, None]
     (dot_arrived,) = start_cluster(1, size)  # the dot's exchange's mbarrier
     y_values, dy_values = held_values(tiles, values_per_tile), held_values(tiles, values_per_tile)
-    operands = [(y_copies, y[row, None], y_values), (dy_copies, dy[row, None], dy_values)]
+    operands = [(y_copies, y_row, y_values), (dy_copies, dy_row, dy_values)]
     load_slice(operands, first_tile, n, tile_elems, 0.0)  # 0 * 0: lanes past n add nothing
     wait_for_cluster(size)
     products = [p * q for p, q in zip(flat(dy_values), flat(y_values), strict=True)]
@@ -215,7 +217,7 @@ def softmax_backward_cluster_kernel(
     for t in cutlass.range_constexpr(tiles):
         for j in cutlass.range_constexpr(values_per_tile):
             y_values[t][j] = y_values[t][j] * (dy_values[t][j] - dot)
-    store_slice(dx_copies, dx[row, None], first_tile, n, tile_elems, y_values)
+    store_slice(dx_copies, dx_row, first_tile, n, tile_elems, y_values)
 
 
 def launch_on_clusters(kernel, m, size, stream):
