@@ -2,7 +2,7 @@
 
 Compared with step 1 (cute_1_two_pass.py) this adds: the row is read once, split over the C blocks
 (CTAs) of a cluster, each holding its slice in registers, and the blocks reduce through
-distributed shared memory (README.md, "CuTe: rows held on chip" draws the map):
+distributed shared memory (README.md, "Step 2: the row held on chip" draws the map):
 
     block r of the cluster loads tiles [r T, (r + 1) T) of the row (`plan`: T tiles, C blocks),
           every load of every operand issued before the first is used (load_slice)
