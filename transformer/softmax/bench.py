@@ -73,15 +73,27 @@ def implementations():
 
 
 def two_pass_only(cute_impl):
-    """CuTe's softmax with step 2 (the row held on chip) switched off: step 1's two passes."""
+    """CuTe's softmax with step 2 (the row held on chip) switched off in both passes: step 1's
+    forward and backward, each a call with cute_impl.kernel_plan answering None (the backward
+    runs when autograd calls it, so switching around the forward alone would time step 2's)."""
     choose = cute_impl.kernel_plan
 
+    def step1(launch):
+        def call(*operands):
+            cute_impl.kernel_plan = lambda direction, n, dtype: None
+            try:
+                return launch(*operands)
+            finally:
+                cute_impl.kernel_plan = choose
+
+        return call
+
+    function = torch_impl.autograd_function(
+        step1(cute_impl.softmax_forward), step1(cute_impl.softmax_backward)
+    )
+
     def softmax(x):
-        cute_impl.kernel_plan = lambda direction, n, dtype: None
-        try:
-            return cute_impl.softmax(x)
-        finally:
-            cute_impl.kernel_plan = choose
+        return function.apply(x)
 
     # Timed only where step 2 differs: a shape step 2 takes, forward or backward.
     softmax.takes = lambda n: any(choose(d, n, torch.float32) for d in ("forward", "backward"))
