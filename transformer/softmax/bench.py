@@ -13,7 +13,7 @@ captured is timed eagerly, and its row's `timing` says why. Each round runs the 
 in a rotated order (the clock follows power and temperature, so a fixed order favours whichever
 runs first). Ceilings of the same run: a 1 GiB device-to-device copy, and the per-call floors
 (torch's `y.copy_(x)` and a bare Triton launch on 4096 elements). The library op is
-torch.softmax (fwd+bwd: its autograd). Where CuTe's step 2 (the cluster forward) takes a shape,
+torch.softmax (fwd+bwd: its autograd). Where CuTe's step 2 (the row held on chip) takes a shape,
 step 1 (two passes) is timed beside it as `cute.step1`. Anchors, when importable: torch.compile
 of torch.softmax (inductor's fused kernel; its result checked first), Liger's and QuACK's
 softmax; a missing one prints why.
@@ -33,7 +33,8 @@ import torch_impl
 import triton_impl
 
 HERE = Path(__file__).resolve().parent
-SHAPES = [(32768, 8192), (8192, 131072), (4096, 32000), (1, 32000), (1, 131072), (32768, 1024)]
+SHAPES = [(32768, 8192), (8192, 131072), (32768, 4096), (4096, 32000), (1, 32000), (1, 131072),
+          (32768, 1024)]  # fmt: skip
 QUICK_SHAPES = SHAPES[:2]
 DTYPES = [torch.bfloat16, torch.float32]
 TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows; rounds of every timing
@@ -72,17 +73,30 @@ def implementations():
 
 
 def two_pass_only(cute_impl):
-    """CuTe's softmax with step 2 (the cluster forward) switched off: step 1's two passes."""
-    choose = cute_impl.cluster_blocks
+    """CuTe's softmax with step 2 (the row held on chip) switched off in both passes: step 1's
+    forward and backward, each a call with cute_impl.kernel_plan answering None (the backward
+    runs when autograd calls it, so switching around the forward alone would time step 2's)."""
+    choose = cute_impl.kernel_plan
+
+    def step1(launch):
+        def call(*operands):
+            cute_impl.kernel_plan = lambda direction, n, dtype: None
+            try:
+                return launch(*operands)
+            finally:
+                cute_impl.kernel_plan = choose
+
+        return call
+
+    function = torch_impl.autograd_function(
+        step1(cute_impl.softmax_forward), step1(cute_impl.softmax_backward)
+    )
 
     def softmax(x):
-        cute_impl.cluster_blocks = lambda direction, n: 0
-        try:
-            return cute_impl.softmax(x)
-        finally:
-            cute_impl.cluster_blocks = choose
+        return function.apply(x)
 
-    softmax.takes = lambda n: choose("forward", n) > 0  # timed only where step 2 differs
+    # Timed only where step 2 differs: a shape step 2 takes, forward or backward.
+    softmax.takes = lambda n: any(choose(d, n, torch.float32) for d in ("forward", "backward"))
     return softmax
 
 

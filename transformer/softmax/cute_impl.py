@@ -2,16 +2,16 @@
 
     y_i = exp(x_i - m) / sum_j exp(x_j - m)          dx_i = y_i (dy_i - sum_j dy_j y_j)
 
-* step 1, cute_1_two_pass.py: one block of 256 threads per row, two passes over it (any N; the
-  backward always, the forward outside step 2's range): 3MN forward traffic when pass 2 misses.
-* step 2, cute_2_cluster.py: the forward for CLUSTER_MIN_N <= N <= CLUSTER_MAX_N, the row
-  spread over a thread-block cluster that reduces through distributed shared memory, so x is
-  read once (2MN).
+* step 2, cute_2_cluster.py: the row held on chip, read once (2MN forward, 3MN backward), by
+  one block or spread over a thread-block cluster that reduces through distributed shared
+  memory: every row its `plan` covers (forward N <= 262144, backward N <= 131072).
+* step 1, cute_1_two_pass.py: one block of 256 threads per row, two passes over it (any N):
+  the rows too long for step 2, and bench.py's `cute.step1` row.
 
 README.md, "CuTe", draws both maps. This file compiles each launcher once per specialisation
-(direction, dtype, access width, cluster size) for TVM-FFI calls on torch tensors, picks the
-step (`cluster_blocks`), exports what README.md's bound counts (`forward_path`,
-`backward_path`), and gives the autograd.Function, the custom ops and the nn.Module.
+(direction, dtype, access width, plan) for TVM-FFI calls on torch tensors, picks the step
+(`kernel_plan`), exports what README.md's bound counts (`forward_path`, `backward_path`), and
+gives the autograd.Function, the custom ops and the nn.Module.
 """
 
 import functools
@@ -57,46 +57,43 @@ def elements_per_access(dtype, vector_friendly):
     return VECTOR_BYTES // dtype.itemsize if vector_friendly else 1
 
 
-def build(direction, dtype, vector_elems, cluster_size=0, options=""):
+def build(direction, dtype, vector_elems, plan=None, options=""):
     """cute.compile the forward (x, y) or backward (y, dy, dx) launcher for TVM-FFI calls on
     torch (M, N) tensors, on torch's current stream; the operands share symbolic M and N. A
-    cluster_size > 0 builds step 2's forward for clusters of that many blocks."""
+    plan (tiles, cluster size) builds step 2, None step 1."""
     m, n = cute.sym_int64(), cute.sym_int64()
-    operands = 2 if direction == "forward" else 3
-    if cluster_size:
-        launcher, constants = cluster.launch_forward_cluster, (vector_elems, cluster_size)
+    forward = direction == "forward"
+    if plan:
+        launcher = cluster.launch_forward_cluster if forward else cluster.launch_backward_cluster
+        constants = (vector_elems, *plan)
     else:
-        launcher = launch_forward if direction == "forward" else launch_backward
-        constants = (vector_elems,)
+        launcher, constants = (launch_forward if forward else launch_backward), (vector_elems,)
     return cute.compile(
         launcher,
-        *(placeholder(dtype, m, n, vector_elems) for _ in range(operands)),
+        *(placeholder(dtype, m, n, vector_elems) for _ in range(2 if forward else 3)),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), *constants,
         options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_kernel(direction, dtype, vector_elems, cluster_size):
-    """The compiled launcher, built once per (direction, dtype, access width, cluster size)."""
-    return build(direction, dtype, vector_elems, cluster_size).__tvm_ffi_object__()
+def compile_kernel(direction, dtype, vector_elems, plan):
+    """The compiled launcher, built once per (direction, dtype, access width, plan)."""
+    return build(direction, dtype, vector_elems, plan).__tvm_ffi_object__()
 
 
-def cluster_blocks(direction, n):
-    """The blocks of a cluster that share a row in step 2 (the forward of long rows), else 0:
-    step 1. Shorter rows fit one block's pass 2 in L2; longer ones do not fit the registers."""
-    if direction == "forward" and cluster.CLUSTER_MIN_N <= n <= cluster.CLUSTER_MAX_N:
-        return cluster.cluster_size(n)
-    return 0
+def kernel_plan(direction, n, dtype):
+    """Step 2's (tiles a block holds, blocks a cluster) for rows of n, or None: step 1."""
+    return cluster.plan(direction, n, dtype.itemsize * 8)
 
 
-def ptx_of(direction, dtype, contiguous, cluster_size=0):
+def ptx_of(direction, dtype, contiguous, plan=None):
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, ex2, shuffles and the
     cluster's mapa, st.async and barriers."""
     vector_elems = elements_per_access(dtype, contiguous)
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(direction, dtype, vector_elems, cluster_size, options).__ptx__
+        return build(direction, dtype, vector_elems, plan, options).__ptx__
 
 
 def is_vector_friendly(rows):
@@ -111,11 +108,13 @@ def is_vector_friendly(rows):
 
 def forward_path(n, dtype):
     """(exp2 evaluations, float32 roundings after the exp) on a term's way into the row sum.
-    Step 2: cute_2_cluster.forward_path. Step 1: its own exp, a rescale per later tile and one
-    before block_sum; the tile's pairwise tree, the add into the thread's sum, a multiply and
-    an add per later tile, the rescale's multiply, and the 8 levels of block_sum."""
-    if cluster_blocks("forward", n):
-        return cluster.forward_path(n, dtype)
+    Step 2: one exp (the max is known first) and cute_2_cluster.additions. Step 1: its own
+    exp, a rescale per later tile and one before block_sum; the tile's pairwise tree, the add
+    into the thread's sum, a multiply and an add per later tile, the rescale's multiply, and
+    the 8 levels of block_sum."""
+    plan = kernel_plan("forward", n, dtype)
+    if plan:
+        return 1, cluster.additions(*plan, dtype.itemsize * 8)
     tile_elems, per_thread = tile_shape(dtype.itemsize * 8)
     tiles = -(-n // tile_elems)
     block_levels = int(math.log2(THREADS_PER_BLOCK))
@@ -123,8 +122,12 @@ def forward_path(n, dtype):
 
 
 def backward_path(n, dtype):
-    """Additions on a product's way into the row's dot: the tile's pairwise tree, the add into
-    the thread's sum, one per later tile, and the 8 levels of block_sum."""
+    """Additions on a product's way into the row's dot. Step 2: cute_2_cluster.additions.
+    Step 1: the tile's pairwise tree, the add into the thread's sum, one per later tile, and
+    the 8 levels of block_sum."""
+    plan = kernel_plan("backward", n, dtype)
+    if plan:
+        return cluster.additions(*plan, dtype.itemsize * 8)
     tile_elems, per_thread = tile_shape(dtype.itemsize * 8)
     tiles = -(-n // tile_elems)
     return int(math.log2(per_thread)) + 1 + (tiles - 1) + int(math.log2(THREADS_PER_BLOCK))
@@ -141,8 +144,8 @@ def run_on_rows(direction, inputs, output):
     friendly = all(is_vector_friendly(t) for t in (*rows, output_rows))
     vector_elems = elements_per_access(output.dtype, friendly)
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
-    cluster_size = cluster_blocks(direction, output.shape[-1])
-    compile_kernel(direction, output.dtype, vector_elems, cluster_size)(*rows, output_rows)
+    plan = kernel_plan(direction, output.shape[-1], output.dtype)
+    compile_kernel(direction, output.dtype, vector_elems, plan)(*rows, output_rows)
     if copied:
         output.copy_(output_rows.view(output.shape))
     return output

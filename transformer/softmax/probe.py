@@ -44,7 +44,7 @@ def run_tests():
 
 def run_cluster():
     """bf16 forward at CLUSTER_SHAPES: torch.softmax, CuTe step 2 (its cluster) and step 1
-    (cute_impl.cluster_blocks forced to 0): time, GB/s over 2MN bytes, % of copy, and the
+    (cute_impl.kernel_plan forced to None): time, GB/s over 2MN bytes, % of copy, and the
     largest difference to torch's float32 softmax and between the two steps."""
     sys.path.insert(0, str(HERE))
     import bench
@@ -52,8 +52,8 @@ def run_cluster():
 
     import cute_impl
 
-    ceiling, choose, rows = bench.copy_ceiling_gbps(), cute_impl.cluster_blocks, []
-    steps = {"cute.step2": choose, "cute.step1": lambda direction, n: 0}
+    ceiling, choose, rows = bench.copy_ceiling_gbps(), cute_impl.kernel_plan, []
+    steps = {"cute.step2": choose, "cute.step1": lambda direction, n, dtype: None}
     for m, n in CLUSTER_SHAPES:
         x = (3 * torch.randn(m, n, device="cuda")).bfloat16()
         expected, outputs = torch.softmax(x.float(), -1), {}
@@ -61,7 +61,7 @@ def run_cluster():
         calls.update({step: functools.partial(cute_impl.softmax_forward, x, torch.empty_like(x))
                       for step in steps})  # fmt: skip
         for name, call in calls.items():
-            cute_impl.cluster_blocks = steps.get(name, choose)
+            cute_impl.kernel_plan = steps.get(name, choose)
             outputs[name] = call().float()
             ms = bench.median_ms(call)
             gbps = 2 * x.nbytes / ms / 1e6
@@ -69,9 +69,11 @@ def run_cluster():
             rows.append({"impl": name, "shape": [m, n], "ms": round(ms, 4), "GBps": round(gbps),
                          "pct_of_copy": round(100 * gbps / ceiling, 1),
                          "max_diff_vs_torch_fp32": error})  # fmt: skip
-        cute_impl.cluster_blocks = choose
+        cute_impl.kernel_plan = choose
         step_diff = (outputs["cute.step2"] - outputs["cute.step1"]).abs().max().item()
-        rows.append({"shape": [m, n], "cluster": choose("forward", n), "step2_vs_step1": step_diff})
+        rows.append(
+            {"shape": [m, n], "plan": choose("forward", n, x.dtype), "step2_vs_step1": step_diff}
+        )
     return rows + [{"copy_GBps": round(ceiling)}]
 
 
