@@ -486,23 +486,27 @@ def test_cute_table_path_ptx(dtype, table_dtype, positions, head_dim, tokens, in
     accesses = re.findall(r"ld\.global\S*", ptx)
     heads = [i for i, a in enumerate(accesses) if a.endswith(".v4.b32")][:2]
     assert heads == [0, 1], accesses  # the head's runs first (a bf16 table piece is .v4.b16)
-    registers = ptxas_registers(ptx)
-    assert registers is None or registers <= 64, registers
+    registers = ptxas_registers(ptx)  # skips (the PTX checks above done) where it cannot count
+    assert registers <= 64, registers
 
 
 def ptxas_registers(ptx):
-    """Registers ptxas -v reports for the PTX's kernel on sm_90a (None without ptxas)."""
+    """Registers ptxas -v reports for the PTX's kernel on sm_90a; the test skips, saying why,
+    without ptxas or where ptxas is older than the PTX the CuTe DSL writes (the H200 machine's)."""
     import shutil
     import tempfile
 
     if shutil.which("ptxas") is None:
-        return None
+        pytest.skip("no ptxas (CUDA toolkit) to count registers")
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
-        report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr  # fmt: skip
-    return int(re.search(r"Used (\d+) registers", report).group(1))
+        run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", os.devnull],
+                             capture_output=True, text=True)  # fmt: skip
+    if "Unsupported .version" in run.stderr:
+        pytest.skip(f"this ptxas cannot read the CuTe DSL's PTX: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    return int(re.search(r"Used (\d+) registers", run.stderr).group(1))
 
 
 @cute_installed
