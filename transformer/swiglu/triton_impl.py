@@ -28,15 +28,15 @@ from triton.runtime.jit import JITFunction
 from reference import as_rows, check_backward, check_forward, halves
 from torch_impl import model_plumbing
 
-# (tile elements, warps) of a program, per pass and element size: the one whose loads in flight
-# per SM (resident threads, from ptxas's registers, times each thread's loads) are predicted
-# best (README.md, tuning log); bench.py --tiles times others beside it. Short rows pack
-# several to a tile.
+# (tile elements, warps) of a program, per pass and element size; bench.py --tiles times others
+# beside them. 2048 over 4 warps (16 values a thread) was the best or level with the best in
+# every pass, dtype and size of the H200 sweep (README.md, tuning log). Short rows pack several
+# to a tile.
 TILES = {
-    ("forward", 2): (4096, 4),  # 32 values a thread, 9 blocks an SM: measured 101.8% of copy
-    ("forward", 4): (2048, 4),  # 16 values a thread: 64 registers, 1024 threads an SM
-    ("backward", 2): (4096, 8),  # 16 values a thread: 76 registers, 768 threads an SM
-    ("backward", 4): (4096, 4),  # 32 values a thread: measured ~101% of copy (fwd+bwd 99.1%)
+    ("forward", 2): (2048, 4),
+    ("forward", 4): (2048, 4),
+    ("backward", 2): (2048, 4),
+    ("backward", 4): (2048, 4),
 }
 EXP_ARGUMENT_ROUNDINGS = 2
 
