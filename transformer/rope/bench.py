@@ -2,6 +2,7 @@
 
     python bench.py            writes results.json and perf.png beside this file
     python bench.py --quick    bf16 at Llama 3 8B's shape only, no files
+    python bench.py --quick --dtype bfloat16 --dtype float32    both dtypes at that shape
 
 q and k are (B, H, S, D) and (B, Hk, S, D) (layout "bhsd", what every anchor takes) with a
 Hugging Face (S, D) cos/sin table in q's dtype. Minimal traffic per pass: read and write q and
@@ -16,6 +17,7 @@ rotate_half(q) * sin` (its autograd for the backward). Anchors, when importable:
 of it (its result checked first) and Liger's liger_rotary_pos_emb; a missing one prints why.
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -57,6 +59,7 @@ def implementations():
         import cute_impl
 
         impls["cute"] = ours(cute_impl)
+        impls["cute.general"] = general_kernel(cute_impl)
     except ImportError as error:
         print(f"cute is not measured: {error}")
     # What a user compiles: the library expression (torch_impl.rope is an autograd.Function
@@ -69,6 +72,23 @@ def implementations():
     except ImportError as error:
         print(f"liger is not measured: {error}")
     return impls
+
+
+def general_kernel(module):
+    """module.rope through its general kernel at the same call: cute_impl's table kernel takes
+    only contiguous table rows, so cos and sin go in with a column step of 2 (copies made once
+    per table, outside the timed calls): the row beside `cute` that says what the table kernel
+    gained."""
+    copies = {}
+
+    def rope(q, k, cos, sin):
+        key = (cos.data_ptr(), sin.data_ptr())
+        if key not in copies:
+            copies.clear()
+            copies[key] = [t.repeat_interleave(2, dim=-1)[:, ::2] for t in (cos, sin)]
+        return module.rope(q, k, cos=copies[key][0], sin=copies[key][1], layout="bhsd")
+
+    return rope
 
 
 def median_ms(fn):
@@ -211,9 +231,9 @@ def plot(rows, path):
     figure.savefig(path, dpi=120)
 
 
-def main(quick=False):
+def main(quick=False, dtypes=None):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
-    for dtype in DTYPES[:1] if quick else DTYPES:
+    for dtype in dtypes or (DTYPES[:1] if quick else DTYPES):
         if not quick:
             rows += per_call_rows(impls, dtype)
         for seq in QUICK_SEQS if quick else SEQS:
@@ -228,5 +248,14 @@ def main(quick=False):
     return results
 
 
+def arguments(argv):
+    """(quick, dtypes or None) from the command line (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", action="append", choices=[str(d)[6:] for d in DTYPES])
+    args = parser.parse_args(argv)
+    return args.quick, [getattr(torch, name) for name in args.dtype] if args.dtype else None
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(*arguments(sys.argv[1:]))

@@ -223,6 +223,21 @@ def test_repeatability_and_positions_outside_the_table(impl):
         assert a.isnan().all(-1).all(-1).cpu().equal(outside)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("source", ["table", "hf_table"])
+def test_positions_near_int32_limits(impl, source):
+    """int64 positions at and past 2**31 (and 2**32 + 1, which a 32-bit index would wrap to 1)
+    are outside a 16-row table: NaN for those tokens only, in CuTe's table kernel as elsewhere."""
+    q, k = random_heads(2, 5, 4, 64, torch.bfloat16), random_heads(2, 5, 2, 64, torch.bfloat16)
+    angles = {n: t.to(torch.bfloat16) for n, t in angle_sources(64, source, positions=16).items()}
+    position_ids = torch.tensor([[2**31 - 1, 2**31, 2**32 + 1, 3, -(2**31)],
+                                 [2**32 + 15, 1, 2**63 - 1, -1, 15]], device=DEVICE)  # fmt: skip
+    got = check(impl, "forward", q, k, **angles, position_ids=position_ids)
+    outside = torch.tensor([[1, 1, 1, 0, 1], [1, 0, 1, 1, 0]], dtype=torch.bool)
+    for out in got:
+        assert out.isnan().all(-1).all(-1).cpu().equal(outside)
+
+
 def bad_inputs():
     """(q, k, outputs, options, error, message fragment, id)."""
     q, k = random_heads(1, 3, 2, 8, torch.float32), random_heads(1, 3, 1, 8, torch.float32)
@@ -355,7 +370,8 @@ for table in (False, True):
                                options={"num_warps": 2})
         ptx = built.asm["ptx"]
         print(table, interleaved, len(re.findall(r"ld\\.global[.\\w]*\\.v4", ptx)),
-              len(re.findall(r"st\\.global[.\\w]*\\.v4", ptx)), "cos.approx" in ptx)
+              len(re.findall(r"st\\.global[.\\w]*\\.v4", ptx)), "cos.approx" in ptx,
+              len(re.findall(r"bar\\.sync", ptx)))
 """
 
 
@@ -363,14 +379,19 @@ for table in (False, True):
 def test_triton_ptx_has_128_bit_loads():
     """The kernel builds for sm_90 in every variant; with D = 128 in bfloat16 every thread moves
     its part of each half with one 16-byte load and one 16-byte store (two per branch, q and
-    k), and cos/sin are libdevice's full-range ones, not cos.approx."""
+    k), and cos/sin are libdevice's full-range ones, not cos.approx. A table's row is read in
+    the heads' layout, 8 values of cos and of sin a thread: rotate-half then needs no barrier
+    (README.md, tuning log); computed angles are moved through shared memory."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     child = subprocess.run([sys.executable, "-c", TRITON_PTX_SCRIPT], cwd=HERE, env=env,
                            capture_output=True, text=True, check=False)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     for line in child.stdout.split("\n")[:-1]:
-        table, interleaved, loads, stores, approx = line.split()
-        assert (int(loads), int(stores), approx) == (4, 4, "False"), line
+        table, interleaved, loads, stores, approx, barriers = line.split()
+        table_loads = 4 if table == "True" else 0  # float32 cos and sin: 32 bytes a thread each
+        assert (int(loads), int(stores), approx) == (4 + table_loads, 4, "False"), line
+        if table == "True" and interleaved == "False":
+            assert barriers == "0", line
 
 
 # A learner's call outside test.py: Triton's interpreter patched by triton_impl.py alone.
@@ -442,6 +463,78 @@ def test_cute_ptx(dtype, table_dtype, interleaved):
     assert count(r"bar\.sync") == count(r"\.shared") == count(r"\.approx") == 0
     assert (count(r"\.local") == 0) == (table_dtype is not None)
     assert len(ptx) < 100_000, "the PTX grew: registers replicated or the loops unrolled twice"
+
+
+@cute_installed
+@pytest.mark.parametrize("dtype, table_dtype, positions, head_dim, tokens, interleaved, loads", [
+    (torch.bfloat16, torch.bfloat16, None, 128, 2, False, 8),  # bench.py's call: 128-bit angles
+    (torch.bfloat16, torch.float32, torch.int64, 128, 1, False, 12),  # 32 bytes: two each
+    (torch.float32, torch.float32, torch.int32, 128, 1, False, 8),
+    (torch.bfloat16, torch.bfloat16, torch.int64, 64, 4, True, 12),  # two 8-byte pieces each
+])  # fmt: skip
+def test_cute_table_path_ptx(dtype, table_dtype, positions, head_dim, tokens, interleaved, loads):
+    """rope_table_kernel builds for sm_90a: per head branch (q, k) the head's two 128-bit loads
+    come before the position's load and the angles' loads (16 bytes or the whole piece each),
+    two 128-bit stores and no other store, no barrier, no local memory; and ptxas gives it at
+    most 64 registers (README.md, tuning log), where the general kernel took 58."""
+    ptx = cute_impl.ptx_of(dtype, table_dtype, positions, interleaved, False, (head_dim, tokens))
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    assert count(r"ld\.global\.v4") == loads
+    assert count(r"ld\.global") == loads + 2 * (positions is not None)
+    assert count(r"st\.global\.v4") == count(r"st\.global") == 4
+    assert count(r"bar\.sync") == count(r"\.shared") == count(r"\.local") == 0
+    accesses = re.findall(r"ld\.global\S*", ptx)
+    heads = [i for i, a in enumerate(accesses) if a.endswith(".v4.b32")][:2]
+    assert heads == [0, 1], accesses  # the head's runs first (a bf16 table piece is .v4.b16)
+    registers = ptxas_registers(ptx)  # skips (the PTX checks above done) where it cannot count
+    assert registers <= 64, registers
+
+
+def ptxas_registers(ptx):
+    """Registers ptxas -v reports for the PTX's kernel on sm_90a; the test skips, saying why,
+    without ptxas or where ptxas is older than the PTX the CuTe DSL writes (the H200 machine's)."""
+    import shutil
+    import tempfile
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas (CUDA toolkit) to count registers")
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", os.devnull],
+                             capture_output=True, text=True)  # fmt: skip
+    if "Unsupported .version" in run.stderr:
+        pytest.skip(f"this ptxas cannot read the CuTe DSL's PTX: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    return int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+
+
+@cute_installed
+def test_cute_table_path_dispatch():
+    """The table kernel takes a table whose (P, D/2) rows are contiguous on 16-byte boundaries,
+    Hugging Face's (P, D) read through its first half included, with every operand inside 32-bit
+    offsets; not inv_freq, a column step (the HF table's even columns), a row stride or a start
+    off 16 bytes, nor an operand or a stride past 2**31 - 1 elements."""
+    fits, ok = cute_impl.table_path_fits, cute_impl.fits_int32
+    q = torch.empty(2, 40, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    views, positions = [q, q[:, :, :8]], torch.zeros(2, 16, dtype=torch.long)
+    hf = torch.empty(16, 128, dtype=torch.bfloat16)
+    half = reference.table_half(hf, 64, False)
+    assert fits(views, half, half, None) and fits(views, half, half, positions)
+    table = torch.empty(16, 64)
+    assert fits(views, table, table, positions.expand(2, 16))
+    assert not fits(views, None, None, None)  # inv_freq: the general kernel computes the angles
+    even = reference.table_half(hf, 64, True)
+    assert not fits(views, even, even, None)
+    wide = torch.empty(16, 68, dtype=torch.bfloat16)[:, :64]  # rows 136 bytes apart
+    assert not fits(views, wide, wide, None)
+    shifted = torch.empty(16 * 64 + 1, dtype=torch.bfloat16)[1:].view(16, 64)
+    assert not fits(views, half, shifted, None)
+    assert ok(torch.empty(2**31, dtype=torch.int8, device="meta"))
+    assert not ok(torch.empty(2**31 + 1, dtype=torch.int8, device="meta"))
+    assert not ok(torch.empty_strided((1, 2), (2**31, 1), device="meta"))
+    huge = torch.empty(4, 2**17, 40, 128, dtype=torch.bfloat16, device="meta")  # 2**34 elements
+    assert not fits([huge, *views[1:]], half, half, None)
 
 
 @cute_installed
@@ -565,6 +658,34 @@ def test_cute_entry_refuses_misaligned_heads():
                cuda_labelled(torch.ones(8)), None, 1, 1, 8)  # fmt: skip
 
 
+@cpu_only_cute
+@pytest.mark.parametrize("positions", [None, torch.int64, torch.int32], ids=str)
+def test_cute_table_entry(positions):
+    """The table kernel's TVM-FFI entry takes bench.py's call (q, k in (B, H, S, D), the HF table
+    read through its first half) with positions absent or given, and reaches the launch, which
+    fails here without a driver; the negative control: a table starting mid-row is refused."""
+    batch, seq, heads, heads_k, head_dim = 2, 6, 4, 2, 64
+    q, k = (random_heads(batch, seq, h, head_dim, torch.bfloat16, "bhsd").transpose(1, 2)
+            for h in (heads, heads_k))  # fmt: skip
+    hf = angle_sources(head_dim, "hf_table")["cos"].to(torch.bfloat16)
+    table = reference.table_half(hf, head_dim // 2, False)
+    ids = None if positions is None else torch.zeros(batch, seq, dtype=positions)
+    assert cute_impl.table_path_fits([q, k], table, table, ids)
+    tokens = cute_impl.tokens_per_block(q)
+    kernel = cute_impl.compile_kernel(torch.bfloat16, torch.bfloat16, positions, False, False,
+                                      (head_dim, tokens))  # fmt: skip
+    threads = cute_impl.block_threads(heads + heads_k, 4, tokens)
+    operands = [q, k, torch.empty_like(q), torch.empty_like(k), table, table]
+    labelled = [cuda_labelled(t) for t in operands] + [None if ids is None else cuda_labelled(ids)]
+    with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
+        kernel(*labelled, threads)
+    rows = hf.shape[0] - 1
+    shifted = hf.flatten()[4 : 4 + rows * head_dim].view(rows, head_dim)[:, : head_dim // 2]
+    shifted = cuda_labelled(shifted)  # 8 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="Misaligned"):
+        kernel(*labelled[:4], shifted, labelled[5], labelled[6], threads)
+
+
 # (5) GPU only --------------------------------------------------------------------------------
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="large sizes need a CUDA GPU")
@@ -574,15 +695,19 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="large sizes need a CUDA GPU")
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_llama_size_against_float64(impl, dtype, layout):
+@pytest.mark.parametrize("source", ["inv_freq", "hf_table"])
+def test_llama_size_against_float64(impl, dtype, layout, source):
     """B = 4, S = 4095 (in (B, H, S, D) a bf16 block of two tokens straddles each batch
-    boundary), H = 32, Hk = 8, D = 128 with Llama 3's angles, both directions, in both layouts;
-    the reference is already float64 torch, fast enough at this size."""
+    boundary), H = 32, Hk = 8, D = 128 with Llama 3's angles (CuTe's general kernel) or
+    Hugging Face's table in q's dtype (its table kernel: bench.py's call), both directions, in
+    both layouts; the reference is already float64 torch, fast enough at this size."""
     q = random_heads(4, 4095, 32, 128, dtype, layout)
     k = random_heads(4, 4095, 8, 128, dtype, layout)
-    inv_freq = reference.inverse_frequencies(128, 500000.0).to(DEVICE)
+    angles = {"inv_freq": reference.inverse_frequencies(128, 500000.0).to(DEVICE)}
+    if source == "hf_table":
+        angles = {n: t.to(dtype) for n, t in angle_sources(128, source, positions=4095).items()}
     for direction in ("forward", "backward"):
-        check(impl, direction, q, k, inv_freq=inv_freq, layout=layout)
+        check(impl, direction, q, k, **angles, layout=layout)
 
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ def rotate_heads(x_ptr, out_ptr, row_x, row_out, head0, heads, half, c, s, strid
         mask = (offs_h[:, None] < heads) & (offs_i[None, :] < half)
         x_a = tl.load(x_heads + offs_i[None, :] * stride_xd, mask=mask).to(tl.float32)
         x_b = tl.load(x_heads + (offs_i[None, :] + half) * stride_xd, mask=mask).to(tl.float32)
-    y_a = x_a * c[None, :] - x_b * s[None, :]
-    y_b = x_b * c[None, :] + x_a * s[None, :]
+    if len(c.shape) == 1:  # computed once for the HEADS heads, moved into their layout
+        c, s = c[None, :], s[None, :]
+    y_a = x_a * c - x_b * s
+    y_b = x_b * c + x_a * s
     dtype = out_ptr.dtype.element_ty
     if INTERLEAVED:
         pairs = tl.reshape(tl.join(y_a, y_b), [HEADS, 2 * HALF_BLOCK])
@@ -96,6 +98,9 @@ def rope_kernel(
     if POSITIONS:
         position = tl.load(pos_ptr + b * stride_pb + s * stride_ps).to(tl.int64)
     offs_i = tl.arange(0, HALF_BLOCK)
+    if TABLE:  # in the heads' own layout: each head's row of threads reads the table's row (L1
+        # hits) rather than one copy of it moved through shared memory behind barriers
+        offs_i = tl.broadcast_to(offs_i[None, :], (HEADS, HALF_BLOCK))
     c, sn = pair_angles(cos_ptr, sin_ptr, freq_ptr, position, offs_i, half, table_rows,
                         stride_cp, stride_ci, stride_sp, stride_si, stride_f, TABLE,
                         INVERSE)  # fmt: skip

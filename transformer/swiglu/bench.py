@@ -1,7 +1,10 @@
 """Benchmark SwiGLU on the GPU, forward and forward+backward, against the anchors.
 
     python bench.py            writes results.json and perf.png beside this file
-    python bench.py --quick    bf16 at the two Llama 8B shapes only, no files
+    python bench.py --quick    bf16 at Llama 3 8B's width, 16384 and 32768 tokens, no files
+    python bench.py --quick --dtype float32 --tiles 4096x4,4096x8,2048x8
+        float32 (or bfloat16, the default of --quick) with Triton rows `triton.4096x8` beside
+        `triton` for each (tile elements)x(warps) given, used by both passes of that dtype
 
 Minimal traffic: the forward reads g and u and writes y (3MN elements); the backward reads g, u
 and dy and writes dg and du (5MN), so fwd+bwd counts 8MN. g and u are two (M, N) tensors, the
@@ -15,6 +18,7 @@ importable: torch.compile of the library expression (inductor's fused kernel; it
 first) and Liger's LigerSiLUMulFunction; a missing one prints why.
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -36,7 +40,7 @@ SHAPES = [
     (4096, 14336), (32768, 14336), (16384, 14336), (4096, 11008), (32768, 11008),
     (4096, 28672), (32768, 28672), (32768, 4096), (32, 14336),
 ]  # fmt: skip
-QUICK_SHAPES = SHAPES[:2]
+QUICK_SHAPES = [(16384, 14336), (32768, 14336)]  # the DESIGN anchor and the chip filled
 DTYPES = [torch.bfloat16, torch.float32]
 TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows
 
@@ -45,9 +49,28 @@ def library(g, u):
     return F.silu(g) * u
 
 
-def implementations():
-    """{impl: differentiable forward(g, u) -> y}, anchors included where importable."""
-    impls = {"library": library, "torch": torch_impl.swiglu, "triton": triton_impl.swiglu}
+def with_tile(tile):
+    """triton_impl.swiglu with `tile` ((elements, warps), or None for triton_impl's own) in
+    both passes of the operands' dtype. The backward reads TILES when autograd runs it, after
+    the forward returns: each Triton row sets the table before its call."""
+    defaults = dict(triton_impl.TILES)
+
+    def forward(g, u):
+        for direction in ("forward", "backward"):
+            key = (direction, g.element_size())
+            triton_impl.TILES[key] = tile or defaults[key]
+        return triton_impl.swiglu(g, u)
+
+    return forward
+
+
+def implementations(tiles=()):
+    """{impl: differentiable forward(g, u) -> y}, anchors included where importable, and a
+    Triton row per tile candidate."""
+    # Without candidates "triton" is the plain call, so its per-call row times nothing else.
+    triton_row = with_tile(None) if tiles else triton_impl.swiglu
+    impls = {"library": library, "torch": torch_impl.swiglu, "triton": triton_row}
+    impls.update({f"triton.{elems}x{warps}": with_tile((elems, warps)) for elems, warps in tiles})
     try:
         import cute_impl
 
@@ -196,9 +219,9 @@ def plot(rows, path):
     figure.savefig(path, dpi=120)
 
 
-def main(quick=False):
-    ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
-    for dtype in DTYPES[:1] if quick else DTYPES:
+def main(quick=False, dtypes=None, tiles=()):
+    ceiling, impls, rows = copy_ceiling_gbps(), implementations(tiles), []
+    for dtype in dtypes or (DTYPES[:1] if quick else DTYPES):
         if not quick:
             rows += per_call_rows(impls, dtype)
         for shape in QUICK_SHAPES if quick else SHAPES:
@@ -213,5 +236,17 @@ def main(quick=False):
     return results
 
 
+def arguments(argv):
+    """(quick, dtypes or None, tile candidates) from the command line (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", action="append", choices=[str(d)[6:] for d in DTYPES])
+    parser.add_argument("--tiles", default="", help="comma-separated ELEMSxWARPS, e.g. 2048x8")
+    args = parser.parse_args(argv)
+    tiles = [tuple(int(v) for v in c.split("x")) for c in args.tiles.split(",") if c]
+    dtypes = [getattr(torch, name) for name in args.dtype] if args.dtype else None
+    return args.quick, dtypes, tiles
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(*arguments(sys.argv[1:]))

@@ -59,7 +59,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
 FORMS = ["two tensors", "fused"]
-# (M, N): no rows, 1, primes, 2**k +- 1 and the tile's edges (TILE_ELEMS = 4096).
+# (M, N): no rows, 1, primes, 2**k +- 1 and the tiles' edges (2048 and 4096 elements).
 SHAPES = [(0, 5), (1, 1), (2, 3), (7, 31), (3, 128), (5, 129), (2, 1023), (1, 4097), (3, 2048)]
 U32 = unit_roundoff(torch.float32)
 TINY32 = torch.finfo(torch.float32).tiny
@@ -487,12 +487,18 @@ def test_torch_compile_fullgraph(impl):
 
 
 def test_triton_tiles():
-    """Tiles of TILE_ELEMS: short rows packed several to a tile, never more rows than m, long
-    rows split along N."""
-    assert triton_impl.tile_of(1000, 1) == (1024, 1, 1)
-    assert triton_impl.tile_of(3, 100) == (4, 128, 1)
-    assert triton_impl.tile_of(16384, 14336) == (1, 4096, 4)
-    assert triton_impl.launch_grid(16384, 14336)[0] == (65536,)
+    """Tiles of a pass's element count: short rows packed several to a tile, never more rows
+    than m, long rows split along N; every dtype and pass has a tile, a power of two."""
+    assert triton_impl.tile_of(1000, 1, 4096) == (1024, 1, 1)
+    assert triton_impl.tile_of(3, 100, 4096) == (4, 128, 1)
+    assert triton_impl.tile_of(16384, 14336, 4096) == (1, 4096, 4)
+    assert triton_impl.tile_of(16384, 14336, 2048) == (1, 2048, 7)
+    assert triton_impl.launch_grid(16384, 14336, (4096, 8))[0] == (65536,)
+    assert triton_impl.launch_grid(16384, 14336, (4096, 8))[2]["num_warps"] == 8
+    for direction in ("forward", "backward"):
+        for dtype in DTYPES:
+            elems, warps = triton_impl.TILES[direction, dtype.itemsize]
+            assert elems & (elems - 1) == 0 and elems % (32 * warps) == 0
 
 
 def launch_cases():
@@ -609,11 +615,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton_impl as t
 
-def build(kernel, dtype, ones):
+def build(kernel, dtype, ones, tile):
     names = [p.name for p in kernel.params]
     kinds = {p.name: "constexpr" if p.is_constexpr else "*" + dtype if p.name.endswith("_ptr")
              else "i32" for p in kernel.params}
-    constexprs = {"ROWS": 1, "BLOCK_N": t.TILE_ELEMS}
+    constexprs = {"ROWS": 1, "BLOCK_N": tile[0]}
     unit = [n for n in names if kinds[n] == "i32" and (ones or n.endswith("n") and
             n.startswith("stride"))]
     constexprs.update({n: 1 for n in unit})
@@ -621,13 +627,15 @@ def build(kernel, dtype, ones):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(ASTSource(kernel, kinds, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": t.NUM_WARPS}).asm["ptx"]
+                          options={"num_warps": tile[1]}).asm["ptx"]
 
-per_thread = t.TILE_ELEMS // (32 * t.NUM_WARPS)
 for kernel, loads, stores in ((t.swiglu_forward_kernel, 2, 1), (t.swiglu_backward_kernel, 3, 2)):
-    build(kernel, "fp32", ones=True)
+    direction = kernel.fn.__name__.split("_")[1]
+    build(kernel, "fp32", ones=True, tile=t.TILES[direction, 4])
     for dtype, size in (("bf16", 2), ("fp32", 4)):
-        ptx = build(kernel, dtype, ones=False)
+        tile = t.TILES[direction, size]
+        ptx = build(kernel, dtype, ones=False, tile=tile)
+        per_thread = tile[0] // (32 * tile[1])
         vectors = per_thread * size // 16
         count = lambda op: len(re.findall(op, ptx))
         found = (count(r"ld\\.global\\.v4"), count(r"st\\.global\\.v4"), count(r"ex2\\.approx"),

@@ -3,8 +3,8 @@
     s = 1 / (1 + exp(-g))     y = g * s * u
     dg = dy * u * s * (1 + g * (1 - s))     du = dy * (g * s)     (s recomputed, not saved)
 
-Each program owns a tile of ROWS x BLOCK_N elements of the (M, N) rows, about TILE_ELEMS of
-them: the forward reads g and u and writes y (3MN elements, the minimum), the backward reads
+Each program owns a tile of ROWS x BLOCK_N elements of the (M, N) rows (`TILES`, per pass and
+dtype): the forward reads g and u and writes y (3MN elements, the minimum), the backward reads
 g, u and dy and writes dg and du (5MN). The fused gate-up tensor is two strided views of one
 (M, 2N) matrix, so the same kernels serve both forms.
 
@@ -28,11 +28,16 @@ from triton.runtime.jit import JITFunction
 from reference import as_rows, check_backward, check_forward, halves
 from torch_impl import model_plumbing
 
-# A tile of about TILE_ELEMS elements over NUM_WARPS warps: 32 values per thread, so a bf16
-# operand is 4 16-byte loads in flight per thread (8 for float32), enough to cover the H200's
-# memory latency without a second program per SM.
-TILE_ELEMS = 4096
-NUM_WARPS = 4
+# (tile elements, warps) of a program, per pass and element size; bench.py --tiles times others
+# beside them. 2048 over 4 warps (16 values a thread) was the best or level with the best in
+# every pass, dtype and size of the H200 sweep (README.md, tuning log). Short rows pack several
+# to a tile.
+TILES = {
+    ("forward", 2): (2048, 4),
+    ("forward", 4): (2048, 4),
+    ("backward", 2): (2048, 4),
+    ("backward", 4): (2048, 4),
+}
 EXP_ARGUMENT_ROUNDINGS = 2
 
 
@@ -208,20 +213,21 @@ def launch(kernel, grid, args, constants, specialised):
 
 
 @functools.cache
-def tile_of(m, n):
-    """(ROWS, BLOCK_N, tiles along N): BLOCK_N covers n up to TILE_ELEMS, short rows are
+def tile_of(m, n, tile_elems):
+    """(ROWS, BLOCK_N, tiles along N): BLOCK_N covers n up to tile_elems, short rows are
     packed ROWS to a tile (never more rows than m needs)."""
-    block_n = min(1 << (n - 1).bit_length(), TILE_ELEMS)
-    rows = min(TILE_ELEMS // block_n, 1 << (m - 1).bit_length())
+    block_n = min(1 << (n - 1).bit_length(), tile_elems)
+    rows = min(tile_elems // block_n, 1 << (m - 1).bit_length())
     return rows, block_n, -(-n // block_n)
 
 
 @functools.cache
-def launch_grid(m, n):
-    """(grid, tiles along N, constants) of either kernel. Cached: a model calls a few shapes
-    over and over, and the constants are a dict `launch` only reads."""
-    rows, block_n, tiles_n = tile_of(m, n)
-    constants = {"ROWS": rows, "BLOCK_N": block_n, "num_warps": NUM_WARPS}
+def launch_grid(m, n, tile):
+    """(grid, tiles along N, constants) of a kernel with tile = (elements, warps). Cached: a
+    model calls a few shapes over and over, and the constants are a dict `launch` only reads."""
+    tile_elems, num_warps = tile
+    rows, block_n, tiles_n = tile_of(m, n, tile_elems)
+    constants = {"ROWS": rows, "BLOCK_N": block_n, "num_warps": num_warps}
     return (-(-m // rows) * tiles_n,), tiles_n, constants
 
 
@@ -239,7 +245,8 @@ def swiglu_forward(g, u, y):
     gate, up = halves(g) if u is None else (g, u)
     (g_rows, _, g_strides), (u_rows, _, u_strides) = rows_of(gate), rows_of(up)
     y_rows, y_copied, y_strides = rows_of(y, True)
-    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    tile = TILES["forward", g.element_size()]
+    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape, tile)
     tensors, ints = (g_rows, u_rows, y_rows), (m, n, tiles_n, *g_strides, *u_strides, *y_strides)
     with device:
         launch(swiglu_forward_kernel, grid, (*tensors, *ints), meta, specialisation(ints, tensors))
@@ -259,7 +266,8 @@ def swiglu_backward(g, u, dy, dg, du=None):
     dy_rows, _, dy_strides = rows_of(dy)
     dg_rows, dg_copied, dg_strides = rows_of(d_gate, True)
     du_rows, du_copied, du_strides = rows_of(d_up, True)
-    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape)
+    tile = TILES["backward", g.element_size()]
+    (m, n), (grid, tiles_n, meta) = g_rows.shape, launch_grid(*g_rows.shape, tile)
     tensors = (g_rows, u_rows, dy_rows, dg_rows, du_rows)
     ints = (m, n, tiles_n, *g_strides, *u_strides, *dy_strides, *dg_strides, *du_strides)
     with device:
