@@ -1212,22 +1212,34 @@ def test_stand_ins_match_reference():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "m, n", [(4099, 1024), (4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)]
+    "m, n", [(4099, 1024), (4096, 4096), (1030, 8192), (16, 16384), (8, 65537), (2, 262144)]
 )
-def test_large_rows_against_float64(impl, dtype, m, n):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_large_rows_against_float64(impl, dtype, m, n, fused):
+    """Rows the CuTe backward stages (4096, 8192: groups of 8 and 3 rows, the last group of
+    1030 a single row) and streams, against float64; fused, h = x + residual bit for bit."""
     fns = implementation(impl)
     x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
     weight = random_weight(n, dtype)
-    y, rstd = fns.rmsnorm_forward(x, weight, EPS, *forward_outputs(x))
-    exact_y, exact_rstd = float64_forward(x, weight, EPS)
-    y_bound, rstd_bound = forward_bounds(impl, x, weight, EPS, exact_y, exact_rstd)
+    residual = random_rows(m, n, dtype) if fused else None
+    outputs = forward_outputs(x, residual)
+    if fused:
+        y, rstd, h = fns.rmsnorm_forward(x, weight, EPS, *outputs[:2], residual, outputs[2])
+        assert_same_bits(h, (x.float() + residual.float()).to(dtype), f"{impl} residual_out")
+    else:
+        (y, rstd), h = fns.rmsnorm_forward(x, weight, EPS, *outputs), x
+    exact_y, exact_rstd = float64_forward(h, weight, EPS)
+    y_bound, rstd_bound = forward_bounds(impl, h, weight, EPS, exact_y, exact_rstd)
     assert_within_bound(y, exact_y, y_bound, f"{impl} y")
     assert_within_bound(rstd, exact_rstd, rstd_bound, f"{impl} rstd")
+    dh = random_rows(m, n, dtype) if fused else None
     dx, dw = fns.rmsnorm_backward(
-        x, weight, rstd, dy, torch.empty_like(x), torch.empty_like(weight)
+        h, weight, rstd, dy, torch.empty_like(x), torch.empty_like(weight), dh
     )
-    exact_dx, exact_dw = float64_backward(x, weight, rstd, dy)
-    dx_bound, dw_bound = backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dw)
+    exact_dx, exact_dw = float64_backward(h, weight, rstd, dy)
+    if fused:
+        exact_dx = exact_dx + dh.double().cpu()
+    dx_bound, dw_bound = backward_bounds(impl, h, weight, rstd, dy, exact_dx, exact_dw, dh)
     assert_within_bound(dx, exact_dx, dx_bound, f"{impl} dx")
     assert_within_bound(dw, exact_dw, dw_bound, f"{impl} dweight")
 
