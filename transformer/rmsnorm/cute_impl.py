@@ -54,6 +54,10 @@ GROUPS_MAX = 512
 # backward's x, dy, w and the dweight row: 4 * 32 = 128 registers), so a block holds rows of up
 # to 256 * 32 = 8192 elements in any dtype.
 ROW_REGISTERS_MAX = 32
+# Rows the backward's staged build keeps flying into shared memory ahead of the one it works on:
+# at two blocks an SM (bf16 N = 4096) four rows of x and dy, 64 KB, where one row ahead (32 KB)
+# measured 86% of copy in the backward (README.md, tuning log).
+STAGES = 2
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -360,15 +364,15 @@ def rmsnorm_backward_columns_kernel(
 def stage_row(stage_copy, sources, staged, row, tile_elems: cutlass.Constexpr[int],
               row_tiles: cutlass.Constexpr[int]):  # fmt: skip
     """cp.async this thread's elements of `row` of each source (x, dy) into the same slots of
-    staged[k, None], as one commit group: the loads fly while the block reduces. Each thread
-    reads back only what it staged, so its own cp.async.wait_group orders it: no barrier."""
+    staged[k, None] (the caller commits them as the row's group): the loads fly while the block
+    works on earlier rows. Each thread reads back only what it staged, so its own
+    cp.async.wait_group orders it: no barrier."""
     thread_copy = stage_copy.get_slice(cute.arch.thread_idx()[0])
     for k in cutlass.range_constexpr(len(sources)):
         for tile in cutlass.range_constexpr(row_tiles):
             source = cute.local_tile(sources[k][row, None], (tile_elems,), (tile,))
             target = cute.local_tile(staged[k, None], (tile_elems,), (tile,))
             cute.copy(stage_copy, thread_copy.partition_S(source), thread_copy.partition_D(target))
-    cute.arch.cp_async_commit_group()
 
 
 @cute.kernel
@@ -382,8 +386,9 @@ def rmsnorm_backward_rows_kernel(
 ):  # fmt: skip
     """The whole backward of a group of rows that fit the block's registers (row_tiles tiles):
     x and dy read once, dx written once, the group's dweight partial written once. A whole-tile
-    vector build (stage_copy not None) stages row i + 1's x and dy in shared memory while row
-    i reduces; whole_tiles also drops the partial tile's predicated path."""
+    vector build (stage_copy not None) keeps rows i + 1 .. i + STAGES of x and dy flying into
+    shared memory while row i reduces; whole_tiles also drops the partial tile's predicated
+    path."""
     group, _, _ = cute.arch.block_idx()
     row_n = row_tiles * tile_elems if cutlass.const_expr(whole_tiles) else n
     xs, dys, ws, dweight = ([registers(per_thread) for _ in range(row_tiles)] for _ in range(4))
@@ -394,17 +399,23 @@ def rmsnorm_backward_rows_kernel(
     first = group * rows_per_group
     last = cutlass.min(first + rows_per_group, m)
     staged = None
-    if cutlass.const_expr(stage_copy is not None):
+    if cutlass.const_expr(stage_copy is not None):  # (STAGES, x and dy, the row's elements)
+        row_elems = row_tiles * tile_elems
         staged = cute.make_tensor(
             cute.arch.get_dyn_smem(x.element_type, alignment=VECTOR_BYTES),
-            cute.make_layout((2, row_tiles * tile_elems), stride=(row_tiles * tile_elems, 1)),
+            cute.make_layout((STAGES, 2, row_elems), stride=(2 * row_elems, row_elems, 1)),
         )
-        stage_row(stage_copy, (x, dy), staged, first, tile_elems, row_tiles)
+        for ahead in cutlass.range_constexpr(STAGES):
+            if first + ahead < last:
+                stage_row(stage_copy, (x, dy), staged[ahead, None, None], first + ahead,
+                          tile_elems, row_tiles)  # fmt: skip
+            cute.arch.cp_async_commit_group()  # empty past the group: one group a row
     for row in cutlass.range(first, last):
         r = rstd[row]
         if cutlass.const_expr(staged is not None):
-            cute.arch.cp_async_wait_group(0)  # this thread's copies of the row have landed
-            x_row, dy_row = staged[0, None], staged[1, None]
+            stage = (row - first) % STAGES
+            cute.arch.cp_async_wait_group(STAGES - 1)  # this thread's copies of row landed
+            x_row, dy_row = staged[stage, 0, None], staged[stage, 1, None]
         else:
             x_row, dy_row = x[row, None], dy[row, None]
         for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
@@ -414,9 +425,11 @@ def rmsnorm_backward_rows_kernel(
         for tile in cutlass.range_constexpr(row_tiles):
             products = [(dys[tile][j] * ws[tile][j]) * (xs[tile][j] * r) for j in range(per_thread)]
             thread_dot = thread_dot + pairwise_sum(products)
-        if cutlass.const_expr(staged is not None):
-            if row + 1 < last:  # the slots were read into xs and dys just above
-                stage_row(stage_copy, (x, dy), staged, row + 1, tile_elems, row_tiles)
+        if cutlass.const_expr(staged is not None):  # the slots just read into xs and dys
+            if row + STAGES < last:
+                stage_row(stage_copy, (x, dy), staged[stage, None, None], row + STAGES,
+                          tile_elems, row_tiles)  # fmt: skip
+            cute.arch.cp_async_commit_group()
         mean_dot = block_sum(thread_dot) / n.to(cutlass.Float32)
         for tile in cutlass.range_constexpr(row_tiles):
             if cutlass.const_expr(fused):
@@ -540,7 +553,8 @@ def launch_backward(
     if cutlass.const_expr(row_tiles > 0):
         staging = whole_tiles and vectorized  # cp.async moves 16-byte runs of whole tiles
         stage_copy = stage_copy_of(x.element_type, run) if cutlass.const_expr(staging) else None
-        staged_bytes = 2 * row_tiles * tile_elems * x.element_type.width // 8 if staging else 0
+        row_bytes = row_tiles * tile_elems * x.element_type.width // 8
+        staged_bytes = STAGES * 2 * row_bytes if staging else 0  # x and dy
         rmsnorm_backward_rows_kernel(
             x, w, rstd, dy, dres, dx, partials, m, n, rows_per_group, copies, f32_copies,
             stage_copy, tile_elems, per_thread, row_tiles, whole_tiles, fused,
