@@ -1,24 +1,26 @@
-"""RMSNorm forward and backward in the CuTe DSL: a block (short rows: a warp) per row for the
-row statistics, a block per (column tile, group of rows) for dx and the dweight partials.
+"""RMSNorm forward and backward in the CuTe DSL: rows on a warp, several warps or a block for
+the forward; a block per group of rows (long rows: per column tile and group) for the backward.
 
     rstd = 1 / sqrt(mean(h**2) + eps)     y = h * rstd * w     (h = x, or x + residual stored)
     dx = rstd (g - xhat * mean(g * xhat))  (+ dresidual_out)   g = dy * w, xhat = h * rstd
 
 The map (README.md, "CuTe", draws it): P threads walk a row in tiles of P * V elements;
 thread t holds the same V elements of every tile (two runs of 16 bytes of x's dtype, moved by
-128-bit copies; a float32 weight or partial row uses the same runs, two copies each). P is the
-block's 256 threads, or in the forward of rows of at most WARP_ROW_BYTES_MAX a warp's 32.
+128-bit copies; a float32 weight or partial row uses the same runs, two copies each).
 
-forward  `rmsnorm_forward_kernel`, a block (short rows: a warp, 8 rows a block) per row.
-         Pass 1: h (stored when fused), each thread sums its squares (`pairwise_sum` per
-         tile), `block_sum` (dot/'s warp -> block tree; a warp's row: `butterfly_sum` alone)
-         gives the row's; rstd = rsqrt.approx(sum / n + eps). Pass 2, last tile first
-         (likeliest still cached): y = h * rstd * w.
+forward  `rmsnorm_forward_kernel` on `forward_map`: P the fewest threads (32 to 256) holding
+         the row in registers. Rows held (N <= 8192, `forward_row_in_registers`): x (and
+         the residual) read once, h stored when fused, each thread's squares (`pairwise_sum`
+         per tile), `row_sum` (dot/'s warp -> block tree, one barrier a row, the row's own
+         named one when a block holds several) gives the row's; rstd = rsqrt.approx(sum / n
+         + eps); y = h * rstd * w from the same registers. Longer rows
+         (`forward_row_streamed`, a block each): pass 1 the squares, pass 2 y, last tile first.
 backward rows of at most ROW_REGISTERS_MAX values a thread: `rmsnorm_backward_rows_kernel`, a
-         block per group of rows: each row's x and dy read once into registers (3MN in all),
-         mean(g * xhat) by `block_sum`, dx written, dy * xhat summed over the group's rows in
-         registers and written once as the group's float32 `partials` row. Longer rows:
-         `row_dots_kernel`, a block per row: mean(g * xhat); then
+         block per group of rows: each row's x and dy read once into registers (3MN in all;
+         whole-tile vector builds stage the next STAGES rows in shared memory by cp.async,
+         `stage_row`), mean(g * xhat) by `block_sum`, dx written, dy * xhat summed over the
+         group's rows in registers and written once as the group's float32 `partials` row.
+         Longer rows: `row_dots_kernel`, a block per row: mean(g * xhat); then
          `rmsnorm_backward_columns_kernel`, a block per (tile, group): dx of its tile for each
          row of its group and the tile's partial (x and dy read twice: 5MN).
          `sum_partials_kernel`, a block per 32 columns: each warp adds a slice of the groups in
