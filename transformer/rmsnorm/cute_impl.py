@@ -16,10 +16,12 @@ forward  `rmsnorm_forward_kernel` on `forward_map`: P the fewest threads (32 to 
          + eps); y = h * rstd * w from the same registers. Longer rows
          (`forward_row_streamed`, a block each): pass 1 the squares, pass 2 y, last tile first.
 backward rows of at most ROW_REGISTERS_MAX values a thread: `rmsnorm_backward_rows_kernel`, a
-         block per group of rows: each row's x and dy read once into registers (3MN in all;
-         whole-tile vector builds stage the next STAGES rows in shared memory by cp.async,
-         `stage_row`), mean(g * xhat) by `block_sum`, dx written, dy * xhat summed over the
-         group's rows in registers and written once as the group's float32 `partials` row.
+         block per group of rows: each row's x and dy read once (3MN in all; whole-tile
+         vector builds keep the next STAGES rows flying into shared memory by cp.async,
+         `stage_row`, and read the row from there twice, for the sum and for dx, so none is
+         held in registers across the barrier), mean(g * xhat) by `block_sum`, dx written,
+         dy * xhat summed over the group's rows in registers and written once as the group's
+         float32 `partials` row.
          Longer rows: `row_dots_kernel`, a block per row: mean(g * xhat); then
          `rmsnorm_backward_columns_kernel`, a block per (tile, group): dx of its tile for each
          row of its group and the tile's partial (x and dy read twice: 5MN).
@@ -57,8 +59,7 @@ GROUPS_MAX = 512
 # to 256 * 32 = 8192 elements in any dtype.
 ROW_REGISTERS_MAX = 32
 # Rows the backward's staged build keeps flying into shared memory ahead of the one it works on:
-# at two blocks an SM (bf16 N = 4096) four rows of x and dy, 64 KB, where one row ahead (32 KB)
-# measured 86% of copy in the backward (README.md, tuning log).
+# 32 KB of shared memory a block at bf16 N = 4096 (README.md, tuning log).
 STAGES = 2
 
 TORCH_TO_CUTLASS = {
@@ -366,9 +367,9 @@ def rmsnorm_backward_columns_kernel(
 def stage_row(stage_copy, sources, staged, row, tile_elems: cutlass.Constexpr[int],
               row_tiles: cutlass.Constexpr[int]):  # fmt: skip
     """cp.async this thread's elements of `row` of each source (x, dy) into the same slots of
-    staged[k, None] (the caller commits them as the row's group): the loads fly while the block
-    works on earlier rows. Each thread reads back only what it staged, so its own
-    cp.async.wait_group orders it: no barrier."""
+    staged[k, None] (the caller commits the group): the loads fly while the block works on
+    earlier rows. Each thread reads back only what it staged, so its own cp.async.wait_group
+    orders it: no barrier."""
     thread_copy = stage_copy.get_slice(cute.arch.thread_idx()[0])
     for k in cutlass.range_constexpr(len(sources)):
         for tile in cutlass.range_constexpr(row_tiles):
@@ -389,7 +390,8 @@ def rmsnorm_backward_rows_kernel(
     """The whole backward of a group of rows that fit the block's registers (row_tiles tiles):
     x and dy read once, dx written once, the group's dweight partial written once. A whole-tile
     vector build (stage_copy not None) keeps rows i + 1 .. i + STAGES of x and dy flying into
-    shared memory while row i reduces; whole_tiles also drops the partial tile's predicated
+    shared memory and reads row i from there twice, for the sum and for dx, so no row is held
+    in registers across the barrier; whole_tiles also drops the partial tile's predicated
     path."""
     group, _, _ = cute.arch.block_idx()
     row_n = row_tiles * tile_elems if cutlass.const_expr(whole_tiles) else n
@@ -411,7 +413,7 @@ def rmsnorm_backward_rows_kernel(
             if first + ahead < last:
                 stage_row(stage_copy, (x, dy), staged[ahead, None, None], first + ahead,
                           tile_elems, row_tiles)  # fmt: skip
-            cute.arch.cp_async_commit_group()  # empty past the group: one group a row
+            cute.arch.cp_async_commit_group()  # empty past the group: the count stays even
     for row in cutlass.range(first, last):
         r = rstd[row]
         if cutlass.const_expr(staged is not None):
@@ -427,13 +429,11 @@ def rmsnorm_backward_rows_kernel(
         for tile in cutlass.range_constexpr(row_tiles):
             products = [(dys[tile][j] * ws[tile][j]) * (xs[tile][j] * r) for j in range(per_thread)]
             thread_dot = thread_dot + pairwise_sum(products)
-        if cutlass.const_expr(staged is not None):  # the slots just read into xs and dys
-            if row + STAGES < last:
-                stage_row(stage_copy, (x, dy), staged[stage, None, None], row + STAGES,
-                          tile_elems, row_tiles)  # fmt: skip
-            cute.arch.cp_async_commit_group()
         mean_dot = block_sum(thread_dot) / n.to(cutlass.Float32)
         for tile in cutlass.range_constexpr(row_tiles):
+            if cutlass.const_expr(staged is not None):  # read again: no row held across the sum
+                load_tile(copies, x_row, tile, row_n, tile_elems, xs[tile])
+                load_tile(copies, dy_row, tile, row_n, tile_elems, dys[tile])
             if cutlass.const_expr(fused):
                 load_tile(copies, dres[row, None], tile, row_n, tile_elems, other)
             for j in cutlass.range_constexpr(per_thread):
@@ -443,6 +443,11 @@ def rmsnorm_backward_rows_kernel(
                 if cutlass.const_expr(fused):
                     xs[tile][j] = xs[tile][j] + other[j]
             store_tile(copies, dx[row, None], tile, row_n, tile_elems, xs[tile])
+        if cutlass.const_expr(staged is not None):  # the slots just read take row + STAGES
+            if row + STAGES < last:
+                stage_row(stage_copy, (x, dy), staged[stage, None, None], row + STAGES,
+                          tile_elems, row_tiles)  # fmt: skip
+            cute.arch.cp_async_commit_group()
         cute.arch.sync_threads()  # block_sum's warp sums all read before the next row's land
     for tile in cutlass.range_constexpr(row_tiles):
         store_tile(f32_copies[0], partials[group, None], tile, row_n, tile_elems, dweight[tile])
