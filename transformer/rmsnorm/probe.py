@@ -1,5 +1,5 @@
-"""GPU probe for rmsnorm: the full test suite (at most TESTS_TIMEOUT_S), then bench.py's two
-model shapes in bf16, in one run.
+"""GPU probe for rmsnorm: the full test suite (at most TESTS_TIMEOUT_S), then bench.py --quick
+(the two headline shapes, bf16 and float32), in one run.
 
     cd transformer/rmsnorm && python probe.py
 

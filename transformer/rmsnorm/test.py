@@ -8,6 +8,8 @@ read; launching them needs the GPU, and those tests say so when they skip.
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,11 @@ except ImportError as error:  # no CuTe DSL: its tests skip and say why
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = ["torch", "triton", "cute"]
-# (M, N): no rows, 1, primes, 2**k +- 1 and block edges.
+# (M, N): no rows, 1, primes, 2**k +- 1 and block edges; the CuTe forward's maps
+# (cute_impl.forward_map): a warp a row (7, 31), 2 and 4 warps (3, 2048), (3, 4000), (3, 4096)
+# with the last block's second row past M, whole and partial tiles, a block's row (1, 4097),
+# (2, 8191), (2, 8192) (streamed rows, N > 8192: the GPU-only sizes); the backward's
+# whole-tile builds (3, 4096), (2, 8192), which stage rows in shared memory.
 SHAPES = [
     (0, 5),
     (1, 1),
@@ -68,7 +74,10 @@ SHAPES = [
     (2, 1023),
     (1, 4097),
     (3, 2048),
+    (3, 4000),
+    (3, 4096),
     (2, 8191),
+    (2, 8192),
 ]
 EPS = 1e-6
 U32 = unit_roundoff(torch.float32)
@@ -998,47 +1007,100 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 # (4) CuTe builds and PTX ---------------------------------------------------------------------
 
 
-# N = 1, 7, 1024, 2048, 4096: the forward's threads per row and forward_path's K (log2 V +
-# tiles + log2 threads + 1; V = 16 in bf16 and fp16, 8 in float32).
+# N = 1, 7, 1024, 2048, 4096, 8193: forward_map's threads a row and forward_path's K (log2 V +
+# tiles + log2 threads + 1; V = 16 in bf16 and fp16, 8 in float32): a warp holds 1024 elements
+# in every dtype (32 values a thread), 2 and 4 warps 2048 and 4096; 8193 is streamed by a block.
 CUTE_FORWARD_MAPS = {
-    torch.bfloat16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
-    torch.float16: [(32, 11), (32, 11), (32, 12), (32, 14), (256, 14)],
-    torch.float32: [(32, 10), (32, 10), (32, 13), (256, 13), (256, 14)],
+    torch.bfloat16: [(32, 11), (32, 11), (32, 12), (64, 13), (128, 14), (256, 16)],
+    torch.float16: [(32, 11), (32, 11), (32, 12), (64, 13), (128, 14), (256, 16)],
+    torch.float32: [(32, 10), (32, 10), (32, 13), (64, 14), (128, 15), (256, 17)],
 }
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_forward_map(dtype):
-    """Rows of at most WARP_ROW_BYTES_MAX a warp each, longer rows a block; forward_path counts
-    the tree of that map (backward_path: row_dots_kernel's block at every N)."""
-    for n, (threads, path) in zip([1, 7, 1024, 2048, 4096], CUTE_FORWARD_MAPS[dtype], strict=True):
-        assert cute_impl.forward_threads_per_row(n, dtype) == threads
+    """The fewest warps whose registers hold the row, a block streaming longer rows;
+    forward_path counts the tree of that map (backward_path: a block a row at every N)."""
+    for n, (threads, path) in zip([1, 7, 1024, 2048, 4096, 8193], CUTE_FORWARD_MAPS[dtype],
+                                  strict=True):  # fmt: skip
+        assert cute_impl.forward_map(n, dtype)[0] == threads
         assert cute_impl.forward_path(n, dtype) == path
         assert cute_impl.backward_path(n, dtype) == cute_impl.row_sum_path(n, dtype, 256)
+    maps = [cute_impl.forward_map(n, dtype) for n, dtype in [
+        (1, torch.bfloat16), (1024, torch.bfloat16), (2048, torch.float16), (4000, torch.bfloat16),
+        (4096, torch.float32), (8192, torch.bfloat16), (8191, torch.float32),
+        (8193, torch.bfloat16)]]  # fmt: skip
+    assert maps == [(32, 1, False), (32, 2, True), (64, 2, True), (128, 2, False),
+                    (128, 4, True), (256, 2, True), (256, 4, False), (256, 0, False)]  # fmt: skip
+
+
+# The CuTe builds: the forward on forward_map's (threads a row, tiles held, whole tiles) (a
+# warp's row held, 4 warps' partial tiles, a block's whole tiles, a block streaming), the
+# backward on backward_map's (tiles held, whole tiles) (the columns path, partial and whole).
+CUTE_BUILDS = [("forward", (32, 2, True)), ("forward", (128, 2, False)),
+               ("forward", (256, 2, True)), ("forward", (256, 0, False)), ("backward", (0, False)),
+               ("backward", (1, False)), ("backward", (2, True))]  # fmt: skip
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction, threads, row_tiles", [
-    ("forward", 32, 0), ("forward", 256, 0), ("backward", 256, 0), ("backward", 256, 1),
-    ("backward", 256, 2)])  # fmt: skip
+@pytest.mark.parametrize("direction, shape", CUTE_BUILDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, threads, row_tiles, dtype):
-    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map;
-    the backward's rows kernel one per count of tiles held): 128-bit loads and stores on the
-    vector path (none in the any-stride build), warp shuffles, div.rn for the means, no spills,
-    in the forward the rsqrt.approx README.md's bound counts; block_sum's one bar.sync where a
-    block holds a row, none where a warp does."""
-    vector = cute_impl.ptx_of(direction, dtype, True, True, threads, row_tiles)
-    scalar = cute_impl.ptx_of(direction, dtype, False, False, threads, row_tiles)
+def test_cute_ptx(direction, shape, dtype):
+    """The CuTe kernels build for sm_90a (N is symbolic: one build serves every N of its map):
+    128-bit loads and stores on the vector path (none in the any-stride build), warp shuffles,
+    div.rn for the means, no spills; in the forward the rsqrt.approx README.md's bound counts
+    and the barriers of its map (none for a warp's row, the row's own named one for 2-4 warps,
+    bar.sync 0 for a block's); the backward's whole-tile vector build stages rows by cp.async."""
+    vector = cute_impl.ptx_of(direction, dtype, True, True, shape)
+    scalar = cute_impl.ptx_of(direction, dtype, False, False, shape)
     for ptx in (vector, scalar):
         assert "shfl.sync.bfly" in ptx and "div.rn.f32" in ptx and "div.approx" not in ptx
-        assert ("bar.sync" in ptx) == (threads == 256)
         assert "ld.local" not in ptx
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
+    staged = direction == "backward" and shape[1]
+    assert ("cp.async.cg.shared.global" in vector) == staged
+    assert "cp.async" not in scalar
     if direction == "forward":
         assert "rsqrt.approx.ftz.f32" in vector
+        threads = shape[0]
+        barriers = re.findall(r"\bbar\.sync\s+[^;]*;|\bbarrier\.sync[^;]*;", vector)
+        block_wide = [bool(re.fullmatch(r"bar\.sync\s+0;", bar)) for bar in barriers]
+        assert block_wide == [threads == 256] * (0 if threads == 32 else 1), barriers
+
+
+# bf16 and float32 rows of the headline sizes, forward and backward.
+HEADLINE_BUILDS = [(torch.bfloat16, 4096), (torch.bfloat16, 8192), (torch.float32, 4096),
+                   (torch.float32, 8192)]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    cute_impl is None or shutil.which("ptxas") is None,
+    reason="needs the CuTe DSL and ptxas (CUDA toolkit) to count registers",
+)
+@pytest.mark.parametrize("dtype, n", HEADLINE_BUILDS, ids=str)
+def test_cute_registers(dtype, n, tmp_path):
+    """ptxas -v on the sm_90a PTX of the headline builds: the forward (plain and fused) at
+    most 64 registers a thread, four blocks of 256 threads an SM (README.md's tuning log counts
+    on it); the plain forward and the backward spill nothing (ptxas puts 8 bytes of the fused
+    bf16 8192 forward on the stack at 48 registers, under any limit: its choice, so not held)."""
+    for direction, fused in [("forward", False), ("forward", True), ("backward", False)]:
+        shape = (cute_impl.forward_map if direction == "forward" else cute_impl.backward_map)(
+            n, dtype
+        )
+        ptx = tmp_path / f"{direction}.ptx"
+        ptx.write_text(cute_impl.ptx_of(direction, dtype, True, fused, shape))
+        run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True)  # fmt: skip
+        if "Unsupported .version" in run.stderr:  # the H200 machine's ptxas is older than the DSL
+            pytest.skip(f"this ptxas cannot read the CuTe DSL's PTX: {run.stderr.strip()}")
+        assert run.returncode == 0, run.stderr
+        for entry in run.stderr.split("Compiling entry function")[1:]:
+            assert fused or "0 bytes spill stores" in entry, entry
+            registers = int(re.search(r"Used (\d+) registers", entry).group(1))
+            if direction == "forward":
+                assert registers <= 65536 // (4 * cute_impl.THREADS_PER_BLOCK), entry
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
@@ -1105,7 +1167,10 @@ def test_cute_entry_takes_each_operands_layout(direction, vectorized):
     """TVM-FFI checks every operand before the launch; operands in unlike layouts pass those
     checks and reach the launch, which fails here without a driver (when operands shared one
     fake tensor's stride symbols, a ValueError 'Mismatched res.strides[0]', on the H200 too)."""
-    kernel = cute_impl.compile_kernel(direction, torch.float32, torch.float32, vectorized, True)
+    shape = cute_impl.forward_map(1024, torch.float32) if direction == "forward" else (1, True)
+    kernel = cute_impl.compile_kernel(
+        direction, torch.float32, torch.float32, vectorized, True, shape
+    )
     operands = entry_operands(direction, vectorized)
     with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
         kernel(*(cuda_labelled(t) if isinstance(t, torch.Tensor) else t for t in operands))
@@ -1147,22 +1212,34 @@ def test_stand_ins_match_reference():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "m, n", [(4099, 1024), (4096, 4096), (64, 8192), (16, 16384), (8, 65537), (2, 262144)]
+    "m, n", [(4099, 1024), (4096, 4096), (1030, 8192), (16, 16384), (8, 65537), (2, 262144)]
 )
-def test_large_rows_against_float64(impl, dtype, m, n):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_large_rows_against_float64(impl, dtype, m, n, fused):
+    """Rows the CuTe backward stages (4096, 8192: groups of 8 and 3 rows, the last group of
+    1030 a single row) and streams, against float64; fused, h = x + residual bit for bit."""
     fns = implementation(impl)
     x, dy = random_rows(m, n, dtype, scale=3.0), random_rows(m, n, dtype)
     weight = random_weight(n, dtype)
-    y, rstd = fns.rmsnorm_forward(x, weight, EPS, *forward_outputs(x))
-    exact_y, exact_rstd = float64_forward(x, weight, EPS)
-    y_bound, rstd_bound = forward_bounds(impl, x, weight, EPS, exact_y, exact_rstd)
+    residual = random_rows(m, n, dtype) if fused else None
+    outputs = forward_outputs(x, residual)
+    if fused:
+        y, rstd, h = fns.rmsnorm_forward(x, weight, EPS, *outputs[:2], residual, outputs[2])
+        assert_same_bits(h, (x.float() + residual.float()).to(dtype), f"{impl} residual_out")
+    else:
+        (y, rstd), h = fns.rmsnorm_forward(x, weight, EPS, *outputs), x
+    exact_y, exact_rstd = float64_forward(h, weight, EPS)
+    y_bound, rstd_bound = forward_bounds(impl, h, weight, EPS, exact_y, exact_rstd)
     assert_within_bound(y, exact_y, y_bound, f"{impl} y")
     assert_within_bound(rstd, exact_rstd, rstd_bound, f"{impl} rstd")
+    dh = random_rows(m, n, dtype) if fused else None
     dx, dw = fns.rmsnorm_backward(
-        x, weight, rstd, dy, torch.empty_like(x), torch.empty_like(weight)
+        h, weight, rstd, dy, torch.empty_like(x), torch.empty_like(weight), dh
     )
-    exact_dx, exact_dw = float64_backward(x, weight, rstd, dy)
-    dx_bound, dw_bound = backward_bounds(impl, x, weight, rstd, dy, exact_dx, exact_dw)
+    exact_dx, exact_dw = float64_backward(h, weight, rstd, dy)
+    if fused:
+        exact_dx = exact_dx + dh.double().cpu()
+    dx_bound, dw_bound = backward_bounds(impl, h, weight, rstd, dy, exact_dx, exact_dw, dh)
     assert_within_bound(dx, exact_dx, dx_bound, f"{impl} dx")
     assert_within_bound(dw, exact_dw, dw_bound, f"{impl} dweight")
 
