@@ -35,7 +35,7 @@ from reference import check_operands, to_float32
 
 # Eight tiles of C along m share each tile of B before the order moves on along n.
 GROUP_M = 8
-# The H200 has 132 SMs: a tier is used while C has at least one of its tiles per SM.
+# The H200 has 132 SMs: a tier is used while C has at least FULL_WAVE of its tiles (below).
 SM_COUNT = 132
 # The tiers: the largest tile of which C has at least FULL_WAVE, each the fastest of the H200
 # sweeps in README.md's tuning log. 16-bit data: a 128 x 256 tile halves the loads per flop of a
@@ -50,7 +50,7 @@ NARROW_TENSOR_CORE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages
 LARGE_TF32 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 # IEEE float32 has no tensor-core path: tl.dot becomes FMAs on the CUDA cores.
 LARGE_IEEE_FLOAT32 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# Fewer tiles than SMs of every larger tier: 64 x 64, so that a small C still spreads over the chip.
+# Fewer than FULL_WAVE tiles of every larger tier: 64 x 64, so that a small C still spreads out.
 SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # A tier is taken when C has at least FULL_WAVE of its tiles: one wave with at most 1/16 of the
 # SMs idle beats two waves of tiles half the size (2048^3: 128 tiles of 128 x 256 ran at 0.93x
