@@ -3,8 +3,9 @@
     python tools/ptx_snapshot.py FOLDER OUT [PYTEST ARGS...]
     diff -r OUT_BEFORE OUT_AFTER        # empty: every kernel compiles to the same PTX
 
-It runs FOLDER's test.py under pytest exactly as `python test.py` does on a machine without a GPU
-(Triton under its interpreter, CuTe compiled for sm_90a), and on top of that:
+It runs FOLDER's tests (test.py and its section files test_*.py) under pytest as `python test.py`
+does on a machine without a GPU (Triton under its interpreter, CuTe compiled for sm_90a), and on
+top of that:
 
 - each Triton launch is also compiled for sm_90a (the interpreter never compiles): the kernel is
   specialised on the launch's arguments as a GPU launch would be (dtypes, 16-byte alignment,
@@ -175,7 +176,8 @@ def main():
     sys.path[:0] = [str(folder), str(folder.parent)]
     import pytest
 
-    pytest.main(["-q", "-p", "no:cacheprovider", "test.py", *sys.argv[3:]])
+    tests = ["test.py", *sorted(path.name for path in folder.glob("test_*.py"))]
+    pytest.main(["-q", "-p", "no:cacheprovider", *tests, *sys.argv[3:]])
     (out / "kernels.txt").write_text("".join(f"{line}\n" for line in sorted(listing)))
     print(f"{len(listing)} kernels -> {out}")
 
