@@ -68,6 +68,12 @@ ROW_WIDTHS = (128, 64)
 ROW_K_BYTES = 256
 ROW_SMEM_BYTES = 200 * 1024
 ROW_STAGES = 6
+# A block may have 227 KiB of shared memory on the H200; less 1 KiB for the mbarriers, the TMA
+# kernel's stages and its epilogue's C tile (BLOCK_M x BLOCK_N of C's dtype, rearranged through
+# shared memory while the stages stay live: the kernel pipelines across units) fit in
+# ROW_BLOCK_SMEM_BYTES. 16-bit tiles fit ROW_SMEM_BYTES of stages beside it; a 128 x 128 float32
+# (TF32) tile fits 2 of its 64 KiB stages, not 3 (262168 bytes: the launch would fail).
+ROW_BLOCK_SMEM_BYTES = 226 * 1024
 # A unit's fixed cost (filling its pipeline, storing and re-reading a partial) is about that of
 # streaming ROW_UNIT_K more values of k (fitted to the H200 sweep in README.md's tuning log).
 ROW_UNIT_K = 2560
@@ -135,9 +141,10 @@ def row_plan(m, n, k, itemsize):
                 best = busiest, block_n, splits
     block_n, splits = (ROW_WIDTHS[0], 1) if best is None else best[1:]
     stage_bytes = (block_m + block_n) * block_k * itemsize
+    stages_bytes = min(ROW_SMEM_BYTES, ROW_BLOCK_SMEM_BYTES - block_m * block_n * itemsize)
     tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
             "num_warps": 8 if block_m == 128 else 4,
-            "num_stages": min(ROW_STAGES, ROW_SMEM_BYTES // stage_bytes)}  # fmt: skip
+            "num_stages": min(ROW_STAGES, stages_bytes // stage_bytes)}  # fmt: skip
     return tile, splits
 
 
