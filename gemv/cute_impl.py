@@ -1,16 +1,15 @@
 """gemv, y = alpha*A*x + beta*y, in the CuTe DSL: README.md, "The mapping onto the GPU",
 cute_impl.py, has the thread-value maps drawn out.
 
-    constants, block_geometry   the tiles: a warp per row (row-major), a block down D 16-byte
-                                vectors of each column (column-major)
-    split_columns, part_tiles   how many parts the columns are cut into, and a part's tiles
+The files, in reading order:
+cute_tiles.py     the map: the tiles' constants and geometry, the trees, one tile's products,
+                  the tiled copies
+cute_kernels.py   `row_major_kernel`, `column_major_kernel`, `sum_splits_kernel`, `launch_gemv`
+cute_impl.py      this file:
+
+    split_columns               how many parts the columns are cut into, and a part's tiles
     roundings                   README's k for A: the most roundings on one term's way to y_i
-    pairwise_sum, warp_sum      the fixed trees (dot/'s names)
-    add_products                one tile's products into the float32 lanes
-    row_major_kernel            a warp owns whole rows; lanes, then shuffles
-    column_major_kernel         a thread sums down its own columns; shared memory across them
-    sum_splits_kernel           the second pass of a split
-    tiled_copies, launch_gemv   the thread-value layouts and the launch
+    mapping, is_vector_friendly which kernel, and whether its vector build takes A and x
     placeholders, build, compile_kernel   compiled once per specialisation, called by TVM-FFI
     ptx_of, register_coordinates          what the tests read on the CPU
     gemv                        the launcher
@@ -19,33 +18,30 @@ cute_impl.py, has the thread-value maps drawn out.
 import functools
 import tempfile
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 
+from cute_kernels import launch_gemv
+from cute_tiles import (
+    COLUMN_VECTORS_PER_THREAD,
+    LANES_PER_THREAD,
+    ROW_VECTORS_PER_THREAD,
+    THREADS_ACROSS_COLUMNS,
+    THREADS_PER_BLOCK,
+    VECTOR_BYTES,
+    WARP_SIZE,
+    block_geometry,
+    column_tile,
+    elems_per_vector,
+    row_tile,
+    tiled_copies,
+)
+from cute_tiles import THREADS_DOWN_A_COLUMN as THREADS_DOWN_A_COLUMN  # read by the tests
+from cute_tiles import column_threads as column_threads  # read by the tests
+from cute_tiles import rows_per_block as rows_per_block  # read by the tests
 from reference import check_operands, to_float32
 
-# 256 threads = 8 warps per block (the row-major kernel; column-major below).
-THREADS_PER_BLOCK = 256
-WARP_SIZE = 32
-WARPS_PER_BLOCK = THREADS_PER_BLOCK // WARP_SIZE
-# The widest load a thread can issue: 128 bits.
-VECTOR_BYTES = 16
-# Float32 running sums per thread, as in dot/cute_impl.py; register k adds into lane k mod 16.
-LANES_PER_THREAD = 16
-# Row-major: a warp owns whole rows (no shared memory for a row's sum), each thread loading 128
-# bytes of A a tile, all in flight: eight vectors of one float32 row, or four of each of two
-# 16-bit rows, which share each x vector (the fastest in the H200 sweep, README.md "Tuning log").
-ROW_VECTORS_PER_THREAD = {32: 8, 16: 4}  # by element width in bits
-ROWS_PER_WARP = {32: 1, 16: 2}
-# Column-major: 32 threads across the columns, D down each column, one 16-byte vector each:
-# D = 8 for float32 (a 128-byte line of each column), 16 for 16-bit data (two lines: one
-# 512-thread block an SM, as cuBLAS runs); a thread loads V vectors across, 64 or 128 bytes in
-# flight, the fastest in the H200 sweep (README.md "Tuning log").
-THREADS_ACROSS_COLUMNS = 32
-THREADS_DOWN_A_COLUMN = {32: 8, 16: 16}  # D by element width in bits
-COLUMN_VECTORS_PER_THREAD = {32: 4, 16: 8}  # V by element width in bits
 # The split (split_columns): fill FILL_THREADS, two 256-thread blocks for each of the H200's 132
 # SMs (the occupancy the kernels run at), a constant so that the bits of y depend on the shape
 # alone; a part must stream SPLIT_MIN_BYTES of A to outlast the second pass's start; at most
@@ -59,42 +55,6 @@ TORCH_TO_CUTLASS = {
     torch.float16: cutlass.Float16,
     torch.bfloat16: cutlass.BFloat16,
 }
-
-
-def elems_per_vector(width):
-    """Elements of `width` bits in one 16-byte vector: 4 float32, 8 16-bit."""
-    return VECTOR_BYTES * 8 // width
-
-
-def row_tile(width):
-    """Elements of a row that its warp loads per tile: 1024 float32, 1024 16-bit."""
-    return WARP_SIZE * ROW_VECTORS_PER_THREAD[width] * elems_per_vector(width)
-
-
-def rows_per_block(width):
-    """Rows of A a row-major block owns: 8 float32, 16 16-bit."""
-    return WARPS_PER_BLOCK * ROWS_PER_WARP[width]
-
-
-def column_tile(width):
-    """(rows, columns) of a column-major block's tile: 32 x 128 float32, 128 x 256 16-bit."""
-    rows = THREADS_DOWN_A_COLUMN[width] * elems_per_vector(width)
-    return rows, THREADS_ACROSS_COLUMNS * COLUMN_VECTORS_PER_THREAD[width]
-
-
-def column_threads(width):
-    """Threads of a column-major block: 256 float32, 512 16-bit."""
-    return THREADS_DOWN_A_COLUMN[width] * THREADS_ACROSS_COLUMNS
-
-
-@functools.cache  # looked up on every call: worked out once
-def block_geometry(dtype, layout):
-    """(rows, columns, threads) of one block's tile: rows of A a block owns, the columns it takes
-    a tile, and its threads."""
-    width = dtype.itemsize * 8
-    if layout == "row":
-        return rows_per_block(width), row_tile(width), THREADS_PER_BLOCK
-    return (*column_tile(width), column_threads(width))
 
 
 def split_columns(m, n, dtype, layout):
@@ -131,333 +91,6 @@ def roundings(A):
     product = 1 if width == 32 else 0
     levels = sum(size.bit_length() - 1 for size in [*trees, splits])
     return product + (vectors * v // LANES_PER_THREAD * tiles - 1) + levels + 2
-
-
-def part_tiles(n, tile_columns, tiles_per_split):
-    """(first, whole stop, stop): the column tiles of this block's part, [first, stop), of which
-    [first, whole stop) lie inside n and the last, if n cuts it, is [whole stop, stop). The part
-    is blockIdx.y; past the last tile a part is empty. Plain Python, run while the kernel is
-    traced."""
-    tiles = (n + tile_columns - 1) // tile_columns
-    first = cutlass.min(cutlass.Int64(cute.arch.block_idx()[1]) * tiles_per_split, tiles)
-    stop = cutlass.min(first + tiles_per_split, tiles)
-    return first, cutlass.max(first, cutlass.min(stop, n // tile_columns)), stop
-
-
-def pairwise_sum(values):
-    """The sum of a power-of-two list of float32 registers, adding neighbours in pairs. Plain
-    Python, run while the kernel is traced: it emits the log2(len) levels of additions."""
-    while len(values) > 1:
-        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
-    return values[0]
-
-
-@cute.jit
-def warp_sum(value):
-    """The sum of `value` over the 32 lanes of a warp, in every lane: at the level with offset
-    o, lane l adds the value of lane l ^ o (shfl.sync.bfly); both partners compute the same
-    sum (a + b = b + a exactly), so all lanes end with the warp's sum, built by one tree."""
-    offset = WARP_SIZE // 2
-    for _ in cutlass.range_constexpr(WARP_SIZE.bit_length() - 1):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
-        offset //= 2
-    return value
-
-
-@cute.jit
-def add_products(a_copy, a_tiles, x_copy, x_tile, lanes, in_bounds):
-    """lanes[r][k mod L] += a_k * x_k over this thread's elements of one tile of each row
-    block r in a_tiles, widened to float32, in the order of k; the x tile is loaded once for
-    all of them. The two thread copies partition their tiles alike, so register k of A and of
-    x are a_ij and x_j of the same (i, j). in_bounds None: the whole tile is inside the
-    matrix, no predicate."""
-    a_mine = [a_copy.partition_S(a_tile) for a_tile in a_tiles]
-    x_mine = x_copy.partition_S(x_tile)
-    a_registers = [cute.make_rmem_tensor_like(mine) for mine in a_mine]
-    x_registers = cute.make_rmem_tensor_like(x_mine)
-    if cutlass.const_expr(in_bounds is not None):
-        for registers in a_registers:
-            registers.fill(0)  # what the predicate skips adds 0 * 0 = 0
-        x_registers.fill(0)
-    # All loads are issued before the first product, so they are in flight together.
-    for r in cutlass.range_constexpr(len(a_tiles)):
-        cute.copy(a_copy, a_mine[r], a_registers[r], pred=in_bounds)
-    cute.copy(x_copy, x_mine, x_registers, pred=in_bounds)
-    # Widening is exact, and the compiler fuses each multiply and add into one fma.rn.f32.
-    for k in cutlass.range_constexpr(cute.size(x_registers)):
-        x_k = x_registers[k].to(cutlass.Float32)
-        for r in cutlass.range_constexpr(len(a_tiles)):
-            lanes[r][k % LANES_PER_THREAD] += a_registers[r][k].to(cutlass.Float32) * x_k
-
-
-@cute.jit
-def in_bounds_mask(thread_copy, coord_tile, extent):
-    """The predicate tensor: True where this thread's element has a coordinate inside
-    `extent`. One entry per copy atom, and a predicated copy's atoms move one element each."""
-    coords = thread_copy.partition_S(coord_tile)
-    mask = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
-    for i in cutlass.range_constexpr(cute.size(mask)):
-        mask[i] = cute.elem_less(coords[i], extent)
-    return mask
-
-
-@cute.jit
-def finish_row(y, row, row_sum, alpha, beta, read_a: cutlass.Constexpr, read_y: cutlass.Constexpr):
-    """y[row] = alpha * row_sum + beta * y[row] in float32, rounded once by the store."""
-    result = cutlass.Float32(0.0)
-    if cutlass.const_expr(read_a):
-        result = alpha * row_sum
-    if cutlass.const_expr(read_y):
-        result = result + beta * y[row].to(cutlass.Float32)  # 0 + v is exact
-    y[row] = result.to(y.element_type)
-
-
-@cute.jit
-def store_row(
-    y, partials, row, row_sum, alpha, beta, read_a: cutlass.Constexpr, read_y: cutlass.Constexpr
-):
-    """Split (partials given): store this part's sum of the row at partials[part, row], for
-    sum_splits_kernel. Else finish the row."""
-    if cutlass.const_expr(partials is not None):
-        partials[cute.arch.block_idx()[1], row] = row_sum
-    else:
-        finish_row(y, row, row_sum, alpha, beta, read_a, read_y)
-
-
-@cute.kernel
-def row_major_kernel(
-    A: cute.Tensor,
-    x: cute.Tensor,
-    y: cute.Tensor,
-    partials,
-    m: cutlass.Int64,
-    n: cutlass.Int64,
-    tiles_per_split: cutlass.Int64,
-    alpha: cutlass.Float32,
-    beta: cutlass.Float32,
-    tile_copy: cute.TiledCopy,
-    element_copy: cute.TiledCopy,
-    read_a: cutlass.Constexpr[bool],
-    read_y: cutlass.Constexpr[bool],
-):
-    thread, _, _ = cute.arch.thread_idx()
-    block_idx, _, _ = cute.arch.block_idx()
-    warp, lane = thread // WARP_SIZE, thread % WARP_SIZE
-    width = A.element_type.width
-    warp_rows = ROWS_PER_WARP[width]
-    # blockIdx is a 32-bit register: widen it before multiplying.
-    first_row = cutlass.Int64(block_idx) * rows_per_block(width) + warp * warp_rows
-    row_sums = [cutlass.Float32(0.0)] * warp_rows
-    if cutlass.const_expr(read_a):
-        tile_elems = row_tile(width)
-        lanes = [cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32) for _ in range(warp_rows)]
-        for row_lanes in lanes:
-            row_lanes.fill(0.0)
-        if first_row < m:  # the same for the whole warp: no warp diverges
-            # In the matrix's last warp, rows past m read row m - 1 again; their sums are not
-            # stored.
-            a_rows = [A[cutlass.min(first_row + r, m - 1), None] for r in range(warp_rows)]
-            lane_tile_copy = tile_copy.get_slice(lane)
-            first, whole_stop, stop = part_tiles(n, tile_elems, tiles_per_split)
-            for tile in cutlass.range(first, whole_stop):
-                a_tiles = [cute.local_tile(a_row, (tile_elems,), (tile,)) for a_row in a_rows]
-                x_tile = cute.local_tile(x, (tile_elems,), (tile,))
-                add_products(lane_tile_copy, a_tiles, lane_tile_copy, x_tile, lanes, None)
-            if whole_stop < stop:  # the rows' last tile, cut by n, is in this part
-                lane_element_copy = element_copy.get_slice(lane)
-                coords = cute.local_tile(cute.make_identity_tensor(n), (tile_elems,), (whole_stop,))
-                in_bounds = in_bounds_mask(lane_element_copy, coords, n)
-                a_tiles = [cute.local_tile(a_row, (tile_elems,), (whole_stop,)) for a_row in a_rows]
-                x_tile = cute.local_tile(x, (tile_elems,), (whole_stop,))
-                add_products(
-                    lane_element_copy, a_tiles, lane_element_copy, x_tile, lanes, in_bounds
-                )
-        # Every lane takes part in the shuffles, inside the matrix or not.
-        row_sums = [
-            warp_sum(pairwise_sum([row_lanes[k] for k in range(LANES_PER_THREAD)]))
-            for row_lanes in lanes
-        ]
-    for r in cutlass.range_constexpr(warp_rows):
-        if lane == 0 and first_row + r < m:
-            store_row(y, partials, first_row + r, row_sums[r], alpha, beta, read_a, read_y)
-
-
-@cute.kernel
-def column_major_kernel(
-    A: cute.Tensor,
-    x_rows: cute.Tensor,
-    y: cute.Tensor,
-    partials,
-    m: cutlass.Int64,
-    n: cutlass.Int64,
-    tiles_per_split: cutlass.Int64,
-    alpha: cutlass.Float32,
-    beta: cutlass.Float32,
-    tile_copy: cute.TiledCopy,
-    element_copy: cute.TiledCopy,
-    read_a: cutlass.Constexpr[bool],
-    read_y: cutlass.Constexpr[bool],
-):
-    thread, _, _ = cute.arch.thread_idx()
-    block_idx, _, _ = cute.arch.block_idx()
-    block = cutlass.Int64(block_idx)  # 32-bit register, widened before multiplying
-    width = A.element_type.width
-    v = elems_per_vector(width)
-    block_rows, tile_columns = column_tile(width)
-    row_sum = cutlass.Float32(0.0)
-    if cutlass.const_expr(read_a):
-        tile = (block_rows, tile_columns)
-        lanes = cute.make_rmem_tensor(LANES_PER_THREAD, cutlass.Float32)
-        lanes.fill(0.0)
-        thread_tile_copy = tile_copy.get_slice(thread)
-        thread_element_copy = element_copy.get_slice(thread)
-        first, whole_stop, stop = part_tiles(n, tile_columns, tiles_per_split)
-        # x_rows is x seen as an (m, n) matrix whose every row is x (row stride 0): partitioned
-        # with the same thread-value layout as A, it hands each thread the x_j of each of its
-        # a_ij. A stride-0 operand cannot be read as vectors, so x always uses 1-element
-        # accesses; the v copies of one x_j in a thread are one address, loaded once.
-        identity = cute.make_identity_tensor((m, n))
-        first_partial = first  # in the matrix's last rows every tile is partial
-        if (block + 1) * block_rows <= m:
-            for t in cutlass.range(first, whole_stop):
-                add_products(
-                    thread_tile_copy, [cute.local_tile(A, tile, (block, t))],
-                    thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), [lanes], None,
-                )  # fmt: skip
-            first_partial = whole_stop
-        for t in cutlass.range(first_partial, stop):
-            in_bounds = in_bounds_mask(
-                thread_element_copy, cute.local_tile(identity, tile, (block, t)), (m, n)
-            )
-            add_products(
-                thread_element_copy, [cute.local_tile(A, tile, (block, t))],
-                thread_element_copy, cute.local_tile(x_rows, tile, (block, t)), [lanes], in_bounds,
-            )  # fmt: skip
-        # Register k holds row k mod v of the thread's vector and its column k div v, and adds
-        # into lane k mod 16: the lanes hold each of the v rows in 16 / v column slots.
-        thread_sums = cute.make_tensor(
-            cute.arch.alloc_smem(cutlass.Float32, block_rows * THREADS_ACROSS_COLUMNS),
-            cute.make_layout((block_rows, THREADS_ACROSS_COLUMNS), stride=(1, block_rows)),
-        )
-        row_thread = thread % THREADS_DOWN_A_COLUMN[width]
-        column_thread = thread // THREADS_DOWN_A_COLUMN[width]
-        for r in cutlass.range_constexpr(v):
-            slots = [lanes[r + v * c] for c in range(LANES_PER_THREAD // v)]
-            thread_sums[row_thread * v + r, column_thread] = pairwise_sum(slots)
-        cute.arch.sync_threads()  # all partial sums of every row are in shared memory
-        if thread < block_rows:
-            row_sum = pairwise_sum([thread_sums[thread, c] for c in range(THREADS_ACROSS_COLUMNS)])
-    row = block * block_rows + thread
-    if thread < block_rows and row < m:
-        store_row(y, partials, row, row_sum, alpha, beta, read_a, read_y)
-
-
-@cute.kernel
-def sum_splits_kernel(
-    partials: cute.Tensor,
-    y: cute.Tensor,
-    m: cutlass.Int64,
-    alpha: cutlass.Float32,
-    beta: cutlass.Float32,
-    read_y: cutlass.Constexpr[bool],
-):
-    """The second pass of a split: thread i of block b finishes row 256 b + i from its parts
-    partials[s, row], added by neighbours in a pairwise tree of log2(splits) levels. Adjacent
-    threads read adjacent rows of each part."""
-    thread, _, _ = cute.arch.thread_idx()
-    block_idx, _, _ = cute.arch.block_idx()
-    row = cutlass.Int64(block_idx) * THREADS_PER_BLOCK + thread
-    if row < m:
-        parts = [partials[s, row] for s in range(cute.size(partials, mode=[0]))]
-        finish_row(y, row, pairwise_sum(parts), alpha, beta, True, read_y)
-
-
-def tiled_copies(dtype, layout, vector_elems):
-    """(tile_copy, element_copy) of the 'row' or 'col' kernel, built while a launcher is traced:
-    one thread-value layout and two access widths, vector_elems elements (a 16-byte vector, or
-    1 in the any-stride build) and one element (the predicated copies of partial tiles)."""
-    v = elems_per_vector(dtype.width)
-    tile_op, tile_hints = cute.nvgpu.CopyUniversalOp(), {}
-    if layout == "row":
-        # Lane t of a row's warp owns v adjacent elements in each run of 32 v.
-        thread_layout = cute.make_layout(WARP_SIZE)
-        value_layout = cute.make_layout(v)
-        # The full tiles' loads carry an L2 prefetch hint (ld.global.L2::128B): L2 fetches the
-        # whole 128-byte line around each access from memory. Measured, not derived: on the
-        # H200 at 16384 x 16384 bfloat16 it took the row-major kernel from 0.997x to 1.009x
-        # cuBLAS; the column-major kernel ran no faster with it (README.md).
-        tile_op = cute.nvgpu.CopyG2ROp()
-        tile_hints = {"l2_prefetch_size": cute.nvgpu.L2PrefetchSize.SIZE_128B}
-    else:
-        # (D, 32):(1, D): thread t is (t mod D) down the rows and (t div D) across the
-        # columns, and holds one vector of v rows of each of its columns.
-        down = THREADS_DOWN_A_COLUMN[dtype.width]
-        thread_layout = cute.make_layout((down, THREADS_ACROSS_COLUMNS), stride=(1, down))
-        value_layout = cute.make_layout((v, 1))
-    tile_atom = cute.make_copy_atom(
-        tile_op, dtype, num_bits_per_copy=dtype.width * vector_elems, **tile_hints
-    )
-    element_atom = cute.make_copy_atom(
-        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width
-    )
-    return tuple(
-        cute.make_tiled_copy_tv(atom, thread_layout, value_layout)
-        for atom in (tile_atom, element_atom)
-    )
-
-
-@cute.jit
-def launch_gemv(
-    A: cute.Tensor,
-    x: cute.Tensor,
-    y: cute.Tensor,
-    partials,
-    alpha: cutlass.Float32,
-    beta: cutlass.Float32,
-    tiles_per_split: cutlass.Int64,
-    stream: cuda.CUstream,
-    layout: cutlass.Constexpr[str],
-    vector_elems: cutlass.Constexpr[int],
-    read_a: cutlass.Constexpr[bool],
-    read_y: cutlass.Constexpr[bool],
-):
-    # A, x and y arrive as torch tensors through TVM-FFI, with the layouts they were compiled
-    # for (`placeholders`): a vector build knows A's stride 1 along the contiguous dimension, a
-    # multiple of v for the other stride and a 16-byte aligned start (row-major, x's stride 1
-    # and start too) when it compiles, which lets it merge adjacent elements into one 128-bit
-    # access.
-    dtype = A.element_type
-    # m and n from cute.size, 64-bit: CuTe DSL 4.8.1 reads A.shape[i] back as 32 bits.
-    m, n = cutlass.Int64(cute.size(A, mode=[0])), cutlass.Int64(cute.size(A, mode=[1]))
-    tile_copy, element_copy = tiled_copies(dtype, layout, vector_elems)
-    if cutlass.const_expr(layout == "row"):
-        kernel = row_major_kernel(
-            A, x, y, partials, m, n, tiles_per_split, alpha, beta, tile_copy, element_copy,
-            read_a, read_y,
-        )  # fmt: skip
-        block_rows, threads = rows_per_block(dtype.width), THREADS_PER_BLOCK
-    else:
-        # x as an (m, n) matrix whose every row is x: row stride 0.
-        x_rows = cute.make_tensor(x.iterator, cute.make_layout((m, n), stride=(0, x.stride[0])))
-        kernel = column_major_kernel(
-            A, x_rows, y, partials, m, n, tiles_per_split, alpha, beta, tile_copy, element_copy,
-            read_a, read_y,
-        )  # fmt: skip
-        block_rows, threads = column_tile(dtype.width)[0], column_threads(dtype.width)
-    # Split (partials given): a block for each row block and part, then the second pass. Two
-    # launches on one stream: it starts after every part's row sums are stored.
-    splits = 1 if partials is None else cute.size(partials, mode=[0])
-    kernel.launch(
-        grid=[cute.ceil_div(m, block_rows), splits, 1],
-        block=[threads, 1, 1],
-        stream=stream,
-    )
-    if cutlass.const_expr(partials is not None):
-        sum_splits_kernel(partials, y, m, alpha, beta, read_y).launch(
-            grid=[cute.ceil_div(m, THREADS_PER_BLOCK), 1, 1],
-            block=[THREADS_PER_BLOCK, 1, 1],
-            stream=stream,
-        )
 
 
 def mapping(A):

@@ -153,6 +153,14 @@ def store_row_sums(partials_ptr, y_ptr, m, offs_m, row_in, stride_y, row_sums, a
 
 
 @triton.jit
+def part_columns(part, split_cols, n):
+    """[start, stop) of the columns of part `part`, split_cols a part, none past n: stop as
+    start plus what is left, for start + split_cols passes 2**31 in 32 bits for n just below."""
+    start = part * split_cols
+    return start, start + tl.minimum(n - start, split_cols)
+
+
+@triton.jit
 def gemv_kernel(
     a_ptr, x_ptr, y_ptr, partials_ptr, m, n, split_cols, stride_am, stride_an, stride_x, stride_y,
     alpha, beta, READ_A: tl.constexpr, READ_Y: tl.constexpr, SPLIT: tl.constexpr,
@@ -169,8 +177,7 @@ def gemv_kernel(
     else:
         row_ptrs = a_ptr + offs_m[:, None] * stride_am
         lanes = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        cols_start = tl.program_id(1).to(tl.int64) * split_cols
-        cols_stop = tl.minimum(cols_start + split_cols, n)
+        cols_start, cols_stop = part_columns(tl.program_id(1).to(tl.int64), split_cols, n)
         # Full column steps mask only the rows. That mask is constant along a row, so it does
         # not stop the compiler from merging a row-major row into 16-byte loads; in a
         # column-major tile it runs along the contiguous dimension and is constant over 16
@@ -214,9 +221,12 @@ def gemv_tma_kernel(
     part program_id(1) as there."""
     pid = tl.program_id(0)
     lanes = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    cols_start = tl.program_id(1) * split_cols  # TMA coordinates are 32-bit: n < 2**31
-    cols_stop = tl.minimum(cols_start + split_cols, n)
-    for col_start in tl.range(cols_start, cols_stop, BLOCK_N, num_stages=NUM_STAGES):
+    # TMA coordinates are 32-bit (n < 2**31): the part's columns in 32 bits, and a loop over
+    # its column steps, not `col < stop; col += BLOCK_N`, whose last step would wrap past
+    # 2**31 - 1 for n within BLOCK_N of 2**31 and never end.
+    cols_start, cols_stop = part_columns(tl.program_id(1), split_cols, n)
+    for step in tl.range(0, tl.cdiv(cols_stop - cols_start, BLOCK_N), num_stages=NUM_STAGES):
+        col_start = cols_start + step * BLOCK_N
         a = a_tiles.load([col_start, pid * BLOCK_M])
         offs_n = col_start + tl.arange(0, BLOCK_N)
         x = tl.load(x_ptr + offs_n.to(tl.int64) * stride_x, mask=offs_n < n, other=0.0)

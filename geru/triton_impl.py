@@ -36,6 +36,14 @@ def update_tile(a_ptrs, alpha_x, y, in_tile):
 
 
 @triton.jit
+def is_whole_tile(tile_m, tile_n, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """True when tile (tile_m, tile_n) of BLOCK_M x BLOCK_N lies wholly inside the m x n A. In
+    64 bits: the end of the tile that ends at row 2**31 is 2**31, which 32 bits wrap to -2**31."""
+    whole_m = (tile_m.to(tl.int64) + 1) * BLOCK_M <= m
+    return whole_m & ((tile_n.to(tl.int64) + 1) * BLOCK_N <= n)
+
+
+@triton.jit
 def geru_kernel(
     x_ptr, y_ptr, a_ptr, m, n, stride_x, stride_y, stride_am, stride_an, alpha, tiles_along,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr,
@@ -60,7 +68,7 @@ def geru_kernel(
     # Tiles inside A go without a mask: Triton vectorises a masked access only as far as it can
     # prove the mask constant, and `offs_n < n` is not when n is not a multiple of 16, even
     # where the rows themselves are 16-byte aligned (a slice A = B[:, :1001] of an aligned B).
-    if ((tile_m + 1) * BLOCK_M <= m) & ((tile_n + 1) * BLOCK_N <= n):
+    if is_whole_tile(tile_m, tile_n, m, n, BLOCK_M, BLOCK_N):
         update_tile(a_ptrs, alpha_x, y, None)
     else:
         update_tile(a_ptrs, alpha_x, y, in_m[:, None] & in_n[None, :])

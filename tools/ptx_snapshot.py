@@ -82,18 +82,23 @@ def record_triton_launches(out, listing):
         return twins[interpreted]
 
     def swap_globals(fn):
-        """Point fn's module and triton.language at JIT twins of their @triton.jit functions while
-        fn compiles (under the interpreter every @triton.jit, tl.sum's included, is interpreted)."""
+        """Point fn's module, the modules of the @triton.jit functions it reaches (a kernel may
+        call helpers from another file) and triton.language at JIT twins of their @triton.jit
+        functions while fn compiles (under the interpreter every @triton.jit, tl.sum's included,
+        is interpreted)."""
         namespaces = [fn.__globals__] + [
             vars(module)
             for name, module in list(sys.modules.items())
             if name.startswith("triton.language")
         ]
         saved = []
-        for namespace in namespaces:
+        for namespace in namespaces:  # grows as helpers from other modules turn up
             interpreted = {k: v for k, v in namespace.items() if isinstance(v, InterpretedFunction)}
             namespace.update({k: twin(v) for k, v in interpreted.items()})
             saved.append((namespace, interpreted))
+            for helper in interpreted.values():
+                if not any(helper.fn.__globals__ is seen for seen in namespaces):
+                    namespaces.append(helper.fn.__globals__)
         return saved
 
     interpret = InterpretedFunction.run

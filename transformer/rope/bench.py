@@ -15,6 +15,10 @@ and its row's `timing` says why. Implementations are interleaved shape by shape.
 a 1 GiB device-to-device copy of the same run. The library op is Hugging Face's `q * cos +
 rotate_half(q) * sin` (its autograd for the backward). Anchors, when importable: torch.compile
 of it (its result checked first) and Liger's liger_rotary_pos_emb; a missing one prints why.
+The per-call floors of the same run (`call_floors_us`: torch's `y.copy_(x)` and a bare Triton
+launch on 4096 float32) go into results.json's ceilings beside the per-call rows.
+Shapes: B = 4, H = 32, Hk = 8, D = 128 at each of SEQS; at FULL_K_SEQ also Hk = 32,
+DESIGN.md's anchor shape.
 """
 
 import argparse
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import torch_impl
 import triton_impl
@@ -34,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 BATCH, HEADS, HEADS_K, HEAD_DIM = 4, 32, 8, 128  # Llama 3 8B
 # A decode step (S = 1), prefill batches, the Llama shape of the DESIGN anchors (4096), long.
 SEQS = [1, 128, 1024, 4096, 8192]
+# DESIGN.md's anchor row has k with as many heads as q: timed once more at S = 4096 so.
+FULL_K_SEQ = 4096
 QUICK_SEQS = [4096]
 DTYPES = [torch.bfloat16, torch.float32]
 TINY_SHAPE, CALLS, ROUNDS = (1, 4, 4, 2, 64), 1000, 3  # per-call rows: (B, S, H, Hk, D)
@@ -123,6 +130,33 @@ def copy_ceiling_gbps():
     return 2 * source.nbytes / median_ms(lambda: target.copy_(source)) / 1e6
 
 
+@triton.jit
+def bare_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """The least a Triton launch can do: the floor under every Triton launcher's per-call cost."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def call_floors_us():
+    """The per-call floors of this run (DESIGN.md, "Per-call cost"), us a back-to-back call on
+    4096 float32: torch's y.copy_(x) and a bare Triton launch."""
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    launch = lambda: bare_copy[(4,)](x, y, 4096, BLOCK=1024)  # noqa: E731
+    return {"torch_call_us": wall_us(lambda: y.copy_(x)), "triton_launch_us": wall_us(launch)}
+
+
+def wall_us(fn):
+    """Wall time of one of CALLS back-to-back calls of fn, us."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
+
+
 def operands(batch, seq, heads, heads_k, head_dim, dtype):
     """q, k, their gradients, and a Hugging Face table: cos and sin of s * inv_freq, (S, D)."""
     q, k, dq, dk = (torch.randn(batch, h, seq, head_dim, device="cuda", dtype=dtype)
@@ -168,20 +202,14 @@ def per_call_rows(impls, dtype):
     samples = {name: [] for name in names}
     for shift in range(ROUNDS):
         for name in names[shift:] + names[:shift]:
-            impls[name](q, k, cos, sin)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                impls[name](q, k, cos, sin)
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+            samples[name].append(wall_us(lambda name=name: impls[name](q, k, cos, sin)))
     host = {name: statistics.median(us) for name, us in samples.items()}
     return [row(impl, "fwd", dtype, TINY_SHAPE, vs=host["library"] / us, host=us)
             for impl, us in host.items()]  # fmt: skip
 
 
-def shape_rows(impls, dtype, seq, ceiling):
-    shape = (BATCH, seq, HEADS, HEADS_K, HEAD_DIM)
+def shape_rows(impls, dtype, seq, ceiling, heads_k=HEADS_K):
+    shape = (BATCH, seq, HEADS, heads_k, HEAD_DIM)
     tensors = operands(*shape, dtype)
     times, timings = {}, {}
     for name, rope in impls.items():
@@ -191,7 +219,7 @@ def shape_rows(impls, dtype, seq, ceiling):
             print(f"{name:8s} {str(dtype)[6:]:9s} S={seq}: skipped ({type(error).__name__}: "
                   f"{str(error)[:80]})")  # fmt: skip
     # read and write q and k, read the cos and sin tables once
-    heads_bytes = 2 * (HEADS + HEADS_K) * HEAD_DIM * BATCH * seq * dtype.itemsize
+    heads_bytes = 2 * (HEADS + heads_k) * HEAD_DIM * BATCH * seq * dtype.itemsize
     minimal_bytes = heads_bytes + 2 * seq * HEAD_DIM * dtype.itemsize
     rows = []
     for name, pair in times.items():
@@ -202,7 +230,8 @@ def shape_rows(impls, dtype, seq, ceiling):
             timing = timings[name][index]
             rows.append(row(name, pass_name, dtype, shape, ms, gbps, ceiling, vs))
             rows[-1]["timing"] = timing
-            print(f"{name:8s} {str(dtype)[6:]:9s} S={seq:<5d} {pass_name} {ms * 1e3:9.1f} us "
+            print(f"{name:8s} {str(dtype)[6:]:9s} S={seq:<5d} Hk={heads_k:<2d} {pass_name} "
+                  f"{ms * 1e3:9.1f} us "
                   f"{gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}% of copy {timing}")  # fmt: skip
     return rows
 
@@ -219,7 +248,8 @@ def plot(rows, path):
     for ax, (dtype, pass_name) in zip(axes, panels, strict=True):
         for name in dict.fromkeys(r["impl"] for r in timed):
             key = (name, dtype, pass_name)
-            mine = [r for r in timed if (r["impl"], r["dtype"], r["pass"]) == key]
+            mine = [r for r in timed if (r["impl"], r["dtype"], r["pass"]) == key
+                    and r["shape"][3] == HEADS_K]  # fmt: skip
             ax.plot([r["shape"][1] for r in mine], [r["pct_of_ceiling"] for r in mine], "o-",
                     label=name)  # fmt: skip
         ax.set_xscale("log", base=2)
@@ -233,15 +263,19 @@ def plot(rows, path):
 
 def main(quick=False, dtypes=None):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(), []
+    floors = call_floors_us()
     for dtype in dtypes or (DTYPES[:1] if quick else DTYPES):
         if not quick:
             rows += per_call_rows(impls, dtype)
         for seq in QUICK_SEQS if quick else SEQS:
             rows += shape_rows(impls, dtype, seq, ceiling)
             torch.cuda.empty_cache()
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    results = {"device": torch.cuda.get_device_name(), "ceilings": {"copy_GBps": ceiling},
-               "rows": rows}  # fmt: skip
+        if not quick:
+            rows += shape_rows(impls, dtype, FULL_K_SEQ, ceiling, heads_k=HEADS)
+    print(f"copy ceiling {ceiling:.0f} GB/s; per call: torch {floors['torch_call_us']:.1f} us, "
+          f"Triton launch {floors['triton_launch_us']:.1f} us")  # fmt: skip
+    ceilings = {"copy_GBps": ceiling, **floors}
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceilings, "rows": rows}
     if not quick:
         (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         plot(rows, HERE / "perf.png")

@@ -40,6 +40,8 @@ MAX_THREADS = 512
 # this long: one bf16 token of D = 128 (256 bytes a head, 40 pieces 8 MB apart) ran at 55% of
 # copy, float32's 512-byte pieces at 92%.
 HEAD_PIECE_BYTES = 512
+# rope_kernel indexes tokens (B S of them, and a block's T <= 16 past the last) in Int32.
+TOKENS_MAX = 2**31 - 2**10
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -359,6 +361,13 @@ def is_vector_friendly(t):
     )
 
 
+def kernels_take(views):
+    """The kernels take whole 16-byte runs (`is_vector_friendly`) of at most TOKENS_MAX
+    tokens."""
+    tokens = views[0].shape[0] * views[0].shape[1]
+    return tokens <= TOKENS_MAX and all(is_vector_friendly(t) for t in views if t.numel())
+
+
 def tokens_per_block(view):
     """T, the tokens a block rotates: 1 when a token's heads lie together (B, S, H, D); where
     a head's tokens do (B, H, S, D), enough that a block's piece of each head is HEAD_PIECE_BYTES
@@ -407,11 +416,10 @@ def rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids, interleave
     views = [canonical(t, layout) for t in (q, k, q_out, k_out)]
     batch, seq, heads_q, head_dim = views[0].shape
     heads = heads_q + views[1].shape[2]
-    if batch * seq == 0 or heads == 0:
+    if batch * seq * heads * head_dim == 0:  # nothing to rotate (D = 0 has no runs)
         return q_out, k_out
     runs_per_half = head_dim * q.element_size() // (2 * VECTOR_BYTES)
-    if not all(is_vector_friendly(t) for t in views if t.numel()):
-        # Not whole 16-byte runs: torch's rotation, correct for any strides.
+    if not kernels_take(views):  # torch's rotation, correct for any strides and sizes
         return torch_impl.rope_rotate(q, k, q_out, k_out, cos, sin, inv_freq, position_ids,
                                       interleaved, layout, -1.0 if inverse else 1.0)  # fmt: skip
     if cos is not None:

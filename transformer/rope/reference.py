@@ -11,11 +11,12 @@ is its inverse, so dx = R(-theta) dy (README.md, "The definition").
 
 The angles come either from a table, cos[p, i] and sin[p, i] given (shape (P, D/2), or
 (P, D) with repeating halves as Hugging Face builds it, read through its first half for
-rotate-half and its even columns for interleaved), or from frequencies: theta_i(p) =
-p * inv_freq[i], inv_freq a float32 vector (`inverse_frequencies`: base 10000 or 500000,
-Llama 3's scaling optional). Positions are position_ids[b, s] (shape (B, S), (1, S) or (S,))
-or s when None; a table row outside [0, P) gives NaN for its token (never a read out of
-bounds), and a computed angle takes the position rounded to float32.
+rotate-half and its even columns for interleaved; both float32, or both q's dtype), or
+from frequencies: theta_i(p) = p * inv_freq[i], inv_freq a float32 vector
+(`inverse_frequencies`: base 10000 or 500000, Llama 3's scaling optional). Positions are
+position_ids[b, s] (shape (B, S), (1, S) or (S,)) or s when None; a table row outside
+[0, P) gives NaN for its token (never a read out of bounds), and a computed angle takes the
+position rounded to float32.
 
 q has shape (B, S, H, D) and k (B, S, Hk, D) (any Hk: grouped-query attention), any strides;
 layout="bhsd" takes both as (B, H, S, D). This file is the contract: `check_rope` says which
@@ -26,6 +27,7 @@ and each output is x_a c - x_b s with its two products exact and one rounding in
 They return new float64 tensors and mutate nothing.
 """
 
+import functools
 import math
 
 import torch
@@ -74,15 +76,85 @@ def address_range(t):
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def overlap(a, b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address."""
-    range_a, range_b = address_range(a), address_range(b)
+def overlap(a, range_a, b, range_b):
+    """'none', 'same' (the very same elements in the same order) or 'partial' for a and b with
+    their address_range: by range first, then, where the ranges meet, element by element."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
-    same_layout = a.shape == b.shape and all(
-        a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1
-    )
-    return "same" if range_a[0] == range_b[0] and same_layout else "partial"
+    if a is b:
+        return "same"
+    if range_a[0] == range_b[0] and a.shape == b.shape:
+        if all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1):
+            return "same"
+    return "partial" if share_an_element(a, b) else "none"
+
+
+def share_an_element(a, b):
+    """Whether views a and b, whose address ranges meet, have an element in common: exact for
+    views that move along nested strides, as slices and permutations of one tensor do (q, k and
+    v cut from one fused qkv projection, by heads or by a (3, H) split); True (refused) where
+    that is not decided here.
+
+    a's elements lie at a0 + sum_s i_s s and b's at b0 + sum_s j_s s, over the strides s either
+    view moves along (0 <= i_s < m_s and 0 <= j_s < n_s, a size 1 along a stride its view does
+    not move on), so they meet iff b0 - a0 = sum_s k_s s for integers k_s = i_s - j_s in
+    [1 - n_s, m_s - 1]: a point of a bounded lattice, found by `lattice_reaches`."""
+    return views_meet(b.data_ptr() - a.data_ptr(), a.element_size(), b.element_size(),
+                      a.shape, a.stride(), b.shape, b.stride())  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)  # far more view pairs than a model's layers ever cut
+def views_meet(offset, a_size, b_size, a_shape, a_strides, b_shape, b_strides):
+    """share_an_element on integers alone (b's first byte minus a's, element sizes, shapes and
+    strides), memoised: a model passes the same few pairs of views every layer and step, and
+    the offset between two views of one buffer does not move with the buffer, so the search
+    runs once per pair of layouts and a repeated call is a dictionary look-up."""
+    if 0 in a_shape or 0 in b_shape:
+        return False
+    delta, misaligned = divmod(offset, a_size)
+    if misaligned or b_size != a_size:
+        return True
+    extents = {}  # stride: [a's size along it, b's size along it]; stride 0 repeats elements
+    for m, stride in zip(a_shape, a_strides, strict=True):
+        if m > 1 and stride:
+            if stride in extents:
+                return True  # two dimensions of one view on one stride: not decided here
+            extents[stride] = [m, 1]
+    for n, stride in zip(b_shape, b_strides, strict=True):
+        if n > 1 and stride:
+            sizes = extents.setdefault(stride, [1, 1])
+            if sizes[1] > 1:
+                return True
+            sizes[1] = n
+    steps = sorted(((s, 1 - n, m - 1) for s, (m, n) in extents.items()), reverse=True)
+    return lattice_reaches(delta, steps)
+
+
+def lattice_reaches(delta, steps):
+    """Whether delta = sum k_d s_d with low_d <= k_d <= high_d, steps = [(s_d, low_d, high_d)]
+    from the largest stride down. The dimensions after d reach only [below_d, above_d], which
+    leaves few k_d: at most two where each stride steps past both views' reach in the smaller
+    dimensions (slices and permutations of one tensor), so the search visits at most 2**dims
+    leaves. More than two means strides that interleave: True (refuse), not a longer search."""
+    windows, below, above = [], 0, 0
+    for stride, low, high in reversed(steps):
+        windows.append((below, above))
+        below, above = below + stride * low, above + stride * high
+    windows.reverse()
+    pending = [(delta, 0)]  # (what is left to reach, the next dimension)
+    while pending:
+        left, d = pending.pop()
+        if d == len(steps):
+            if left == 0:
+                return True
+            continue
+        (stride, low, high), (below, above) = steps[d], windows[d]
+        first = max(low, -((above - left) // stride))  # ceil((left - above) / stride)
+        last = min(high, (left - below) // stride)
+        if last - first > 1:
+            return True
+        pending += [(left - k * stride, d + 1) for k in range(first, last + 1)]
+    return False
 
 
 def elements_collide(t):
@@ -120,7 +192,7 @@ def check_rope(q, k, q_out=None, k_out=None, *, cos=None, sin=None, inv_freq=Non
                position_ids=None, layout="bshd"):  # fmt: skip
     """Raise TypeError/ValueError, naming the operand, for anything rope_forward or
     rope_backward refuses (q_out and k_out None: the inputs only). q_out may be q itself and
-    k_out k itself (in place); nothing else may share an address with an output."""
+    k_out k itself (in place); nothing else may share an element with an output."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_tensor("q", q, SUPPORTED_DTYPES, None, None)
@@ -150,6 +222,7 @@ def check_rope(q, k, q_out=None, k_out=None, *, cos=None, sin=None, inv_freq=Non
             raise ValueError("cos and sin have no rows: the table must hold at least one position")
         if cos.shape != sin.shape:
             raise ValueError(f"sin has shape {tuple(sin.shape)}; expected cos's {tuple(cos.shape)}")
+        _check_tensor("sin", sin, (cos.dtype,), None, None)  # one table type, as CuTe builds for
     else:
         _check_tensor("inv_freq", inv_freq, (torch.float32,), (head_dim // 2,), q.device)
     if position_ids is not None:
@@ -159,19 +232,24 @@ def check_rope(q, k, q_out=None, k_out=None, *, cos=None, sin=None, inv_freq=Non
                 f"position_ids has shape {tuple(position_ids.shape)}; expected ({batch}, {seq}), "
                 f"(1, {seq}) or ({seq},)"
             )
-    inputs = [("q", q), ("k", k)] + [(n, t) for n, t in (("cos", cos), ("sin", sin),
-              ("inv_freq", inv_freq), ("position_ids", position_ids)) if t is not None]  # fmt: skip
     outputs = [(n, t, like) for n, t, like in (("q_out", q_out, q), ("k_out", k_out, k))
                if t is not None]  # fmt: skip
     for name, out, like in outputs:
         _check_tensor(name, out, (q.dtype,), like.shape, q.device)
         if elements_collide(out):
             raise ValueError(f"{name}'s strides {out.stride()} give two elements one address")
-    for j, (name, out, _) in enumerate(outputs):
-        for other_name, other in inputs + [(n, t) for n, t, _ in outputs[j + 1 :]]:
-            kind = overlap(out, other)
+    # Each operand's address range once, then every output against every other operand.
+    read = [(n, t, address_range(t)) for n, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin),
+            ("inv_freq", inv_freq), ("position_ids", position_ids)) if t is not None]  # fmt: skip
+    written = [(name, out, address_range(out)) for name, out, _ in outputs]
+    for j, (name, out, span) in enumerate(written):
+        for other_name, other, other_span in read + written[j + 1 :]:
+            kind = overlap(out, span, other, other_span)
             if kind != "none" and not (kind == "same" and other_name == name[:-4]):
-                raise ValueError(f"{name} overlaps {other_name}")
+                raise ValueError(
+                    f"{name} overlaps {other_name}: they share elements (an output may be its "
+                    "own input, in place, or interleave with other operands, never share with them)"
+                )
 
 
 # --- The definition ---------------------------------------------------------------------------

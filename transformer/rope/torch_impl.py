@@ -12,6 +12,7 @@ autograd.Function, `rope(q, k, ...)` and `RotaryEmbedding`, a module holding inv
 Hugging Face's LlamaRotaryEmbedding that applies the rotation itself.
 """
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -74,6 +75,43 @@ def rope_backward(dq, dk, dq_out, dk_out, *, cos=None, sin=None, inv_freq=None,
                        layout, -1.0)  # fmt: skip
 
 
+class SecondDerivativeRaises(torch.autograd.Function):
+    """The identity on a gradient, whose own backward raises (see once_differentiable)."""
+
+    @staticmethod
+    def forward(ctx, gradient):
+        return gradient.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError(
+            "the course's backward is not differentiable: no double backward (a gradient of "
+            "a gradient taken with create_graph=True)"
+        )
+
+
+def once_differentiable(backward):
+    """backward(ctx, *gradients) run without recording a graph. Under create_graph=True every
+    gradient it returns goes through SecondDerivativeRaises: differentiating it raises instead
+    of seeing a constant. torch's once_differentiable does so only when an incoming gradient
+    requires grad, so a loss linear in the output (or a gradient computed from saved tensors
+    alone) gave a wrong second derivative silently."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *gradients):
+        if not torch.is_grad_enabled():  # create_graph=False: no graph, nothing to wrap
+            return backward(ctx, *gradients)
+        with torch.no_grad():
+            result = backward(ctx, *gradients)
+
+        def raising(g):  # a leaf that requires grad, so that the node is recorded
+            return g if g is None else SecondDerivativeRaises.apply(g.detach().requires_grad_())
+
+        return tuple(map(raising, result)) if isinstance(result, tuple) else raising(result)
+
+    return wrapper
+
+
 # --- Model plumbing, shared by torch_impl and triton_impl -------------------------------------
 
 
@@ -124,6 +162,7 @@ def model_plumbing(name, forward, backward):
             return call(forward, q, k, cos, sin, inv_freq, position_ids, interleaved, layout)
 
         @staticmethod
+        @once_differentiable  # a second derivative raises instead of coming out wrong
         def backward(ctx, dq, dk):
             dq, dk = call(backward, dq, dk, *ctx.angles, *ctx.options)
             return dq, dk, None, None, None, None, None, None
@@ -134,6 +173,13 @@ def model_plumbing(name, forward, backward):
         take the autograd.Function: a custom op's Python dispatch costs tens of microseconds a
         call, more than a small kernel's whole run; torch.compile sees the op."""
         args = (q, k, cos, sin, inv_freq, position_ids, interleaved, layout)
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (cos, sin, inv_freq)
+        ):  # their gradient would be None, silently
+            raise ValueError(
+                "the angles (cos, sin, inv_freq) get no gradient: pass them without "
+                "requires_grad (learned frequencies are not supported)"
+            )
         if not torch.compiler.is_compiling():
             return RoPEFunction.apply(*args)
         return forward_op(*args)
@@ -146,10 +192,20 @@ def model_plumbing(name, forward, backward):
         def __init__(self, head_dim, base=10000.0, llama3_scaling=None, interleaved=False,
                      layout="bshd", device=None):  # fmt: skip
             super().__init__()
-            self.head_dim, self.base = head_dim, base
+            self.head_dim, self.base, self.llama3_scaling = head_dim, base, llama3_scaling
             self.interleaved, self.layout = interleaved, layout
             inv_freq = inverse_frequencies(head_dim, base, llama3_scaling)
             self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+        def _apply(self, fn, recurse=True):
+            # .half() and .to(dtype) round every floating buffer, to_empty() leaves it
+            # uninitialised (a model built on the meta device): inv_freq, in no state_dict, is
+            # computed again in float32 (README.md's bound assumes its exact values) on the
+            # device the buffer moved to
+            super()._apply(fn, recurse)
+            exact = inverse_frequencies(self.head_dim, self.base, self.llama3_scaling)
+            self.inv_freq = exact.to(self.inv_freq.device)
+            return self
 
         def extra_repr(self):
             return (f"head_dim={self.head_dim}, base={self.base}, interleaved={self.interleaved}, "
@@ -159,6 +215,9 @@ def model_plumbing(name, forward, backward):
             return rope(q, k, inv_freq=self.inv_freq, position_ids=position_ids,
                         interleaved=self.interleaved, layout=self.layout)  # fmt: skip
 
+    # pickle (torch.save of a whole model) finds a class by module and name: the calling file,
+    # whose forward this is, binds it as `RotaryEmbedding`
+    RotaryEmbedding.__module__, RotaryEmbedding.__qualname__ = forward.__module__, "RotaryEmbedding"
     return SimpleNamespace(
         RoPEFunction=RoPEFunction,
         rope=rope,

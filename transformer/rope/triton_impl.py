@@ -52,25 +52,38 @@ def pair_angles(cos_ptr, sin_ptr, freq_ptr, position, offs_i, half, table_rows, 
 
 
 @triton.jit
-def rotate_heads(x_ptr, out_ptr, row_x, row_out, head0, heads, half, c, s, stride_xh,
-                 stride_xd, stride_oh, stride_od, HEADS: tl.constexpr,
-                 HALF_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+def rotate_heads(x_ptr, out_ptr, row_x, row_out, head0, heads, stride_xh, stride_xd, stride_oh,
+                 stride_od, cos_ptr, sin_ptr, freq_ptr, position, half, table_rows, stride_cp,
+                 stride_ci, stride_sp, stride_si, stride_f, HEADS: tl.constexpr,
+                 HALF_BLOCK: tl.constexpr, TABLE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 INVERSE: tl.constexpr):  # fmt: skip
     """Rotate heads head0 .. head0 + HEADS - 1 (those below `heads`) of one token; row_x and
-    row_out are the token's offsets in x and out."""
+    row_out are the token's offsets in x and out. The heads' loads come first, then the
+    angles' (pair_angles), in one basic block, so the two are in flight together."""
     offs_h = head0 + tl.arange(0, HEADS).to(tl.int64)
     x_heads = x_ptr + row_x + offs_h[:, None] * stride_xh
     out_heads = out_ptr + row_out + offs_h[:, None] * stride_oh
+    offs_i = tl.arange(0, HALF_BLOCK).to(tl.int64)  # 64-bit: D/2 column steps pass 2**31
     if INTERLEAVED:  # whole heads, then the pairs split in registers
-        offs_d = tl.arange(0, 2 * HALF_BLOCK)
+        offs_d = tl.arange(0, 2 * HALF_BLOCK).to(tl.int64)
         mask = (offs_h[:, None] < heads) & (offs_d[None, :] < 2 * half)
         pairs = tl.load(x_heads + offs_d[None, :] * stride_xd, mask=mask).to(tl.float32)
         x_a, x_b = tl.split(tl.reshape(pairs, [HEADS, HALF_BLOCK, 2]))
     else:  # two contiguous runs: the first half and the second
-        offs_i = tl.arange(0, HALF_BLOCK)
         mask = (offs_h[:, None] < heads) & (offs_i[None, :] < half)
         x_a = tl.load(x_heads + offs_i[None, :] * stride_xd, mask=mask).to(tl.float32)
         x_b = tl.load(x_heads + (offs_i[None, :] + half) * stride_xd, mask=mask).to(tl.float32)
-    if len(c.shape) == 1:  # computed once for the HEADS heads, moved into their layout
+    if TABLE and not INTERLEAVED:  # in the heads' own layout: each head's threads read the
+        # table's row (L1 hits), with no copy of it moved through shared memory behind barriers
+        c, s = pair_angles(cos_ptr, sin_ptr, freq_ptr, position,
+                           tl.broadcast_to(offs_i[None, :], (HEADS, HALF_BLOCK)), half,
+                           table_rows, stride_cp, stride_ci, stride_sp, stride_si, stride_f,
+                           TABLE, INVERSE)  # fmt: skip
+    else:  # once for the HEADS heads (cosf and sinf HEADS times fewer), then moved into the
+        # heads' layout (interleaved's pairs, split in registers, take such a move anyway)
+        c, s = pair_angles(cos_ptr, sin_ptr, freq_ptr, position, offs_i, half, table_rows,
+                           stride_cp, stride_ci, stride_sp, stride_si, stride_f, TABLE,
+                           INVERSE)  # fmt: skip
         c, s = c[None, :], s[None, :]
     y_a = x_a * c - x_b * s
     y_b = x_b * c + x_a * s
@@ -97,22 +110,19 @@ def rope_kernel(
     position = s
     if POSITIONS:
         position = tl.load(pos_ptr + b * stride_pb + s * stride_ps).to(tl.int64)
-    offs_i = tl.arange(0, HALF_BLOCK)
-    if TABLE:  # in the heads' own layout: each head's row of threads reads the table's row (L1
-        # hits) rather than one copy of it moved through shared memory behind barriers
-        offs_i = tl.broadcast_to(offs_i[None, :], (HEADS, HALF_BLOCK))
-    c, sn = pair_angles(cos_ptr, sin_ptr, freq_ptr, position, offs_i, half, table_rows,
-                        stride_cp, stride_ci, stride_sp, stride_si, stride_f, TABLE,
-                        INVERSE)  # fmt: skip
     block = tl.program_id(1)
     if block < q_blocks:
         rotate_heads(q_ptr, qo_ptr, b * stride_qb + s * stride_qs, b * stride_qob + s * stride_qos,
-                     block * HEADS, heads_q, half, c, sn, stride_qh, stride_qd, stride_qoh,
-                     stride_qod, HEADS, HALF_BLOCK, INTERLEAVED)  # fmt: skip
+                     block * HEADS, heads_q, stride_qh, stride_qd, stride_qoh, stride_qod,
+                     cos_ptr, sin_ptr, freq_ptr, position, half, table_rows, stride_cp,
+                     stride_ci, stride_sp, stride_si, stride_f, HEADS, HALF_BLOCK, TABLE,
+                     INTERLEAVED, INVERSE)  # fmt: skip
     else:
         rotate_heads(k_ptr, ko_ptr, b * stride_kb + s * stride_ks, b * stride_kob + s * stride_kos,
-                     (block - q_blocks) * HEADS, heads_k, half, c, sn, stride_kh, stride_kd,
-                     stride_koh, stride_kod, HEADS, HALF_BLOCK, INTERLEAVED)  # fmt: skip
+                     (block - q_blocks) * HEADS, heads_k, stride_kh, stride_kd, stride_koh,
+                     stride_kod, cos_ptr, sin_ptr, freq_ptr, position, half, table_rows,
+                     stride_cp, stride_ci, stride_sp, stride_si, stride_f, HEADS, HALF_BLOCK,
+                     TABLE, INTERLEAVED, INVERSE)  # fmt: skip
 
 
 # Read once: test.py sets it before importing Triton, and the launcher should not pay for a look-up.

@@ -33,8 +33,10 @@ import torch_impl
 import triton_impl
 
 HERE = Path(__file__).resolve().parent
+# The two anchor shapes of DESIGN.md first (the quick run), then the rest of issue 14's M = 32768
+# sweep (N = 1024 ... 32768), a 32k vocabulary at a 4096-token batch and two decode steps.
 SHAPES = [(32768, 8192), (8192, 131072), (32768, 4096), (4096, 32000), (1, 32000), (1, 131072),
-          (32768, 1024)]  # fmt: skip
+          (32768, 1024), (32768, 16384), (32768, 32768)]  # fmt: skip
 QUICK_SHAPES = SHAPES[:2]
 DTYPES = [torch.bfloat16, torch.float32]
 TINY_SHAPE, CALLS, ROUNDS = (4, 1024), 1000, 3  # per-call rows; rounds of every timing

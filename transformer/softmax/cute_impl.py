@@ -38,6 +38,9 @@ TORCH_TO_CUTLASS = {
     torch.float16: cutlass.Float16,
     torch.bfloat16: cutlass.BFloat16,
 }
+# Rows a launch takes: the launchers hold M in an Int32 and step 2's grid is M x (up to
+# MAX_CLUSTER = 16) blocks, so 2**26 rows keep both at most 2**30 (grid.x's limit: 2**31 - 1).
+ROWS_PER_LAUNCH = 2**26
 
 
 def placeholder(dtype, m, n, vector_elems):
@@ -133,6 +136,16 @@ def backward_path(n, dtype):
     return int(math.log2(per_thread)) + 1 + (tiles - 1) + int(math.log2(THREADS_PER_BLOCK))
 
 
+def launch_on_row_slices(kernel, rows):
+    """kernel(*rows) on (M, N) operands: one launch up to ROWS_PER_LAUNCH rows, past that one a
+    slice of that many rows (views; every row's result is its own, so slicing changes no bit)."""
+    m = rows[0].shape[0]
+    if m <= ROWS_PER_LAUNCH:
+        return kernel(*rows)
+    for start in range(0, m, ROWS_PER_LAUNCH):
+        kernel(*(t[start : start + ROWS_PER_LAUNCH] for t in rows))
+
+
 def run_on_rows(direction, inputs, output):
     """Launch the build that fits the operands, viewed as (M, N) rows; returns output."""
     if not output.is_cuda:
@@ -145,7 +158,8 @@ def run_on_rows(direction, inputs, output):
     vector_elems = elements_per_access(output.dtype, friendly)
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
     plan = kernel_plan(direction, output.shape[-1], output.dtype)
-    compile_kernel(direction, output.dtype, vector_elems, plan)(*rows, output_rows)
+    launch_on_row_slices(compile_kernel(direction, output.dtype, vector_elems, plan),
+                         (*rows, output_rows))  # fmt: skip
     if copied:
         output.copy_(output_rows.view(output.shape))
     return output

@@ -12,6 +12,7 @@ from test import (
     assert_rejects,
     backward_bound,
     check,
+    cute_impl,
     each_dtype,
     each_impl,
     each_impl_and_dtype,
@@ -23,6 +24,7 @@ from test import (
     run_both,
     special_rows,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import reference
 from common.tolerance import assert_same_bits, assert_within_bound, gamma
@@ -84,10 +86,77 @@ def test_outputs_inside_guard(impl, dtype, n):
 
 
 @each_impl
+def test_operands_sharing_one_buffer(impl):
+    """x and y as the two halves of one (M, 2N) buffer, then the backward's dx written over x's
+    half beside y: views that interleave in memory but share no element are valid (within the
+    bounds, x unchanged by the forward); a y one column into x is refused (bad inputs)."""
+    m, n = 3, 1000
+    buffer = random_rows(m, 2 * n, torch.float32)
+    x, y = buffer[:, :n], buffer[:, n:]
+    x_before = x.clone()
+    check(impl, "forward", x, out=y)
+    assert_same_bits(x, x_before, "x beside y")
+    check(impl, "backward", y, random_rows(m, n, torch.float32), out=x)
+
+
+@each_impl
 def test_in_place(impl):
     """y may be x itself, and dx may be dy: every row is read before it is written."""
     x, dy = random_rows(4, 3001, torch.float32), random_rows(4, 3001, torch.float32)
     assert check(impl, "backward", check(impl, "forward", x, out=x), dy, out=dy) is dy
+
+
+FAR_ROW_STRIDE = 2**29  # rows 4 and 5 of 6 start at and past 2**31 elements from the first
+
+
+def far_rows(t, path, offset):
+    """t copied into a view whose rows lie FAR_ROW_STRIDE elements apart, its first element
+    `offset` elements into a buffer of its own (1: every row off 16 bytes, the element-wise
+    builds): device memory on a GPU, on the CPU a sparse file at `path` mapped privately into
+    memory, so that only the pages of its rows take any."""
+    m, n = t.shape
+    size = offset + (m - 1) * FAR_ROW_STRIDE + n
+    if t.is_cuda:
+        buffer = torch.empty(size, dtype=t.dtype, device=t.device)
+    else:
+        with open(path, "wb") as file:
+            file.truncate(size * t.element_size())
+        buffer = torch.from_file(str(path), shared=False, size=size, dtype=t.dtype)
+    return buffer.as_strided((m, n), (FAR_ROW_STRIDE, 1), offset).copy_(t)
+
+
+def long_row_path(impl, path, monkeypatch):
+    """N for each kernel path, with the limits that send rows that long there: the rows
+    kernels (24); Triton's looped kernels (registers of 32, chunks of 16: N = 100); CuTe's
+    cluster (N = 40000) and its two-pass step 1 (no step 2 plan)."""
+    if path == "looped":
+        for name, value in (("ROW_BLOCK_MAX", 32), ("BACKWARD_ROW_BLOCK_MAX", 32), ("CHUNK", 16)):
+            monkeypatch.setattr(module(impl), name, value)
+        return 100
+    if path == "two_pass":
+        monkeypatch.setattr(module(impl), "kernel_plan", lambda direction, n, dtype: None)
+    return 40000 if path == "cluster" else 24 if path == "rows" else 4099
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("impl, path", [("torch", "rows"), ("triton", "rows"), ("triton", "looped"),
+                         ("cute", "rows"), ("cute", "cluster"), ("cute", "two_pass")])  # fmt: skip
+def test_rows_past_2_31_elements(impl, path, offset, tmp_path, monkeypatch):
+    """x and dy read from, y and dx written into, views whose rows 4 and 5 start at and past
+    2**31 elements from their first (bf16; offset 1: every row off 16 bytes), on every kernel
+    path: within the bound, where a 32-bit row offset wraps and reads or writes outside the
+    view (on the CPU a segmentation fault of the interpreter; on a GPU an illegal address,
+    which ends the process's CUDA context: run it alone first, `python test.py -k past_2_31`)."""
+    implementation(impl)  # skips CuTe without a GPU before any buffer is made
+    n = long_row_path(impl, path, monkeypatch)
+    x, dy = random_rows(6, n, torch.bfloat16, scale=3.0), random_rows(6, n, torch.bfloat16)
+    far = {name: far_rows(t, tmp_path / name, offset)
+           for name, t in (("x", x), ("y", x), ("dy", dy), ("dx", dy))}  # fmt: skip
+    y = check(impl, "forward", far["x"], out=far["y"])
+    check(impl, "backward", y, far["dy"], out=far["dx"])
+    far.clear()
+    if ON_GPU:  # buffers of gigabytes: back to the device, which other suites may share
+        torch.cuda.empty_cache()
 
 
 @each_impl_and_dtype
@@ -291,3 +360,81 @@ def test_torch_compile_fullgraph(impl):
     compiled_out.square().sum().backward()
     assert_same_bits(compiled_out.detach(), eager_out.detach())
     assert_same_bits(model[0].weight.grad, eager_grad)
+
+
+# In a training loop: what a model does around the op beyond forward and backward
+
+
+@each_impl
+def test_torch_compile_dynamic_shapes(impl):
+    """torch.compile(fullgraph=True, dynamic=True) of a model on every implementation's Softmax,
+    the batch and the row length changing between steps (as sequence lengths do): no graph
+    break, no failure tracing the operand checks, and what the eager model computes."""
+    fns = implementation(impl)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 40).to(DEVICE)
+    softmax = fns.Softmax(dim=-1)
+    model = lambda x, n: softmax(linear(x)[..., :n])  # noqa: E731
+    compiled = torch.compile(model, fullgraph=True, dynamic=True,
+                             backend="inductor" if ON_GPU else "aot_eager")  # fmt: skip
+    # inductor's own code for the linear layer rounds differently; aot_eager runs eager's
+    same = (
+        (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5))
+        if ON_GPU
+        else assert_same_bits
+    )
+    for shape, n in (((5, 16), 33), ((2, 7, 16), 40), ((3, 16), 17)):
+        x = torch.randn(shape, device=DEVICE)
+        eager_out = model(x, n)
+        eager_out.square().sum().backward()
+        eager_grad = linear.weight.grad.clone()
+        linear.zero_grad()
+        compiled_out = compiled(x, n)
+        compiled_out.square().sum().backward()
+        same(compiled_out.detach(), eager_out.detach())
+        same(linear.weight.grad, eager_grad)
+        linear.zero_grad()
+
+
+@each_impl
+def test_double_backward_raises(impl):
+    """The backward is not itself differentiable: a second derivative (create_graph=True, as a
+    gradient penalty asks) raises rather than giving a wrong answer silently (torch's backward
+    differentiated with y as a constant, or zero through the kernels' outputs)."""
+    x = random_rows(3, 17, torch.float32).requires_grad_()
+    y = implementation(impl).softmax(x)
+    (dx,) = torch.autograd.grad((y * y.detach().flip(-1)).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (dx.square().sum() + x.sum()).backward()
+
+
+def check_op(impl, name, args):
+    """torch.library.opcheck of kernel_course::<name> (the schema: no undeclared mutation or
+    alias; the fake against the real outputs' shapes, strides and dtypes; the autograd
+    registration; AOTAutograd's dynamic-shape trace). CuTe's kernels launch only on a GPU:
+    without one, its fake is checked against the real Triton op's outputs."""
+    if impl == "cute" and cute_impl is None:
+        pytest.skip("cute_impl cannot be imported (test.py says why)")
+    op = getattr(torch.ops.kernel_course, name.format(impl))
+    if impl != "cute" or ON_GPU:
+        torch.library.opcheck(op, args)
+        return
+    real = getattr(torch.ops.kernel_course, name.format("triton"))(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for r, f in zip(real, fake, strict=True):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "cute"])
+def test_custom_ops_pass_opcheck(impl):
+    """Both ops on representative operands: float32 that requires grad, a row-strided bfloat16
+    slice, and the backward given the stride-0 gradient that loss = y.sum() sends and a
+    transposed one."""
+    y = torch.softmax(random_rows(4, 9, torch.float32), dim=-1)
+    forward, backward = "softmax_{}_forward", "softmax_{}_backward"
+    check_op(impl, forward, (random_rows(4, 9, torch.float32).requires_grad_(),))
+    check_op(impl, forward, (random_rows(4, 20, torch.bfloat16)[:, :9],))
+    check_op(impl, backward, (y, torch.ones((), device=DEVICE).expand(4, 9)))
+    check_op(impl, backward, (y, random_rows(9, 4, torch.float32).t()))

@@ -14,9 +14,11 @@ from test import (
     DTYPES,
     HERE,
     backward_bound,
+    check,
     forward_bound,
     forward_then_backward,
     random_rows,
+    special_rows,
 )
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -43,6 +45,24 @@ def test_triton_looped_kernels(dtype, n, monkeypatch):
     x[1, 40:] = float("-inf")
     forward_then_backward("triton", x, random_rows(3, n, dtype))
     assert triton_impl.forward_path(n, dtype)[0] == -(-n // 16) + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_looped_special_values(dtype, monkeypatch):
+    """test_special_values on the looped kernels (chunks of 16 lanes): the NaN in chunk 9 and
+    the +inf in chunk 1 meet a running max that ignores NaN on the GPU (max.f32) and still
+    make their rows NaN through the sum; a row of -inf, and one whose first 18 chunks are all
+    -inf (the online rescale of an empty lane: exp(-inf - 0) = 0, never -inf - -inf), follow
+    the definition, as torch does."""
+    monkeypatch.setattr(triton_impl, "ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "BACKWARD_ROW_BLOCK_MAX", 32)
+    monkeypatch.setattr(triton_impl, "CHUNK", 16)
+    x = special_rows(dtype)
+    y = check("triton", "forward", x)
+    assert torch.equal(y.isnan(), torch.softmax(x.double(), dim=-1).isnan())
+    assert y[[0, 4, 5, 6]].isfinite().all() and y[[1, 2, 3]].isnan().all()
+    finite = y[[0, 4, 5, 6]]
+    check("triton", "backward", finite, random_rows(*finite.shape, dtype))
 
 
 def test_triton_dispatch():

@@ -145,3 +145,33 @@ def test_cute_every_plan_builds(direction, dtype):
     for plan in sorted(plans):
         assert "ld.global" in cute_impl.ptx_of(direction, dtype, contiguous=True, plan=plan)
     assert "ld.global.v4" not in cute_impl.ptx_of(direction, dtype, False, plan=max(plans))
+
+
+PAST_INT32_ROWS = 2**31 + 3  # an Int32 M would keep 3 of these rows
+
+
+@needs_cute
+def test_cute_launches_row_slices():
+    """Past ROWS_PER_LAUNCH rows the compiled launcher runs once a slice of at most that many
+    rows: views of every operand, covering the rows once and in order (meta tensors, sized
+    but never allocated, stand in for the GPU's and a recorder for the launcher). Up to it,
+    one launch on the operands themselves."""
+    limit = cute_impl.ROWS_PER_LAUNCH
+    y, dy, dx = (torch.empty(PAST_INT32_ROWS, 2, dtype=torch.bfloat16, device="meta")
+                 for _ in range(3))  # fmt: skip
+    launches = []
+    cute_impl.launch_on_row_slices(lambda *rows: launches.append(rows), (y, dy, dx))
+    assert len(launches) == -(-PAST_INT32_ROWS // limit) == 33
+    start = 0
+    for rows in launches:
+        m = rows[0].shape[0]
+        assert 0 < m <= limit
+        for row_slice, whole in zip(rows, (y, dy, dx), strict=True):
+            assert row_slice.shape == (m, 2) and row_slice.stride() == whole.stride()
+            assert row_slice.storage_offset() == start * whole.stride(0)
+        start += m
+    assert start == PAST_INT32_ROWS
+    launches.clear()
+    at_limit = (y[:limit], dy[:limit], dx[:limit])
+    cute_impl.launch_on_row_slices(lambda *rows: launches.append(rows), at_limit)
+    assert len(launches) == 1 and all(a is b for a, b in zip(launches[0], at_limit, strict=True))

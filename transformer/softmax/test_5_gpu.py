@@ -75,6 +75,21 @@ def test_cute_step1_at_step2_sizes(dtype, m, n, monkeypatch):
 
 
 @gpu_only
+@each_dtype
+def test_cute_step1_special_values(dtype, monkeypatch):
+    """Step 1's online max and sum (a thread's running max is max.f32, which ignores NaN; a
+    thread whose tiles are all -inf so far rescales by exp(-inf - 0) = 0) at N = 40000: the
+    special rows follow the definition, as torch does."""
+    monkeypatch.setattr(cute_impl, "kernel_plan", lambda direction, n, dtype: None)
+    x = special_rows(dtype, n=40000)
+    y = check("cute", "forward", x)
+    assert torch.equal(y.isnan(), torch.softmax(x.double(), dim=-1).isnan())
+    assert y[[0, 4, 5, 6]].isfinite().all() and y[[1, 2, 3]].isnan().all()
+    finite = y[[0, 4, 5, 6]]
+    check("cute", "backward", finite, random_rows(*finite.shape, dtype))
+
+
+@gpu_only
 @each_impl_and_dtype
 def test_cuda_graph_replays_the_eager_call(impl, dtype):
     """Captured in a CUDA graph, forward and backward replay on fresh data with the bits of an
@@ -114,3 +129,31 @@ def test_ex2_error_within_common_figure():
     relative = ((out.double() - exact) / exact).abs().max().item()
     print(f"ex2.approx.ftz.f32: largest relative error {relative:.3e} = {relative / U32:.2f} u")
     assert relative <= EX2
+
+
+# Rows past an Int32 (an Int32 M keeps 3 of them), through every slice boundary of cute_impl's
+# ROWS_PER_LAUNCH; rows of 2 bf16 values, 8.6 GB an operand.
+PAST_INT32_ROWS = 2**31 + 3
+
+
+@gpu_only
+def test_cute_rows_past_2_31():
+    """2**31 + 3 rows of N = 2 in bfloat16 (x, y, dy, dx: 34 GB, and 4.3 GB of isnan
+    flags): outputs poisoned with NaN come back finite in every row, and the rows around the
+    slices' boundaries and the last ones carry the bits of the same rows launched alone."""
+    m, limit = PAST_INT32_ROWS, cute_impl.ROWS_PER_LAUNCH
+    x = torch.randn(m, 2, dtype=torch.bfloat16, device=DEVICE)
+    y = cute_impl.softmax_forward(x, torch.full_like(x, float("nan")))
+    assert not y.isnan().any()
+    dy = torch.randn_like(x)
+    dx = cute_impl.softmax_backward(y, dy, torch.full_like(x, float("nan")))
+    assert not dx.isnan().any()
+    rows = torch.tensor([0, limit - 1, limit, 2**31 - 1, 2**31, m - 1], device=DEVICE)
+    alone = cute_impl.softmax_forward(x[rows], torch.empty(len(rows), 2, dtype=x.dtype,
+                                                           device=DEVICE))  # fmt: skip
+    assert_same_bits(y[rows], alone)
+    assert (alone.float() - torch.softmax(x[rows].float(), dim=-1)).abs().max() < 2**-8
+    alone_dx = cute_impl.softmax_backward(y[rows], dy[rows], torch.empty_like(alone))
+    assert_same_bits(dx[rows], alone_dx)
+    del x, y, dy, dx
+    torch.cuda.empty_cache()  # 34 GB: back to the device, which other suites may share

@@ -6,11 +6,14 @@ backward is the formula of README.md in float32 torch ops. Both sum in the libra
 undocumented order, so README.md bounds them by what holds for every order.
 
 `SoftmaxFunction` is the autograd.Function over the two, `softmax(x)` the function a model
-calls and `Softmax(dim)` the drop-in for torch.nn.Softmax; torch's own autograd would do the
-same, and this file is the baseline the kernels are checked and timed against.
+calls (the custom op under torch.compile, as for the kernels) and `Softmax(dim)` the drop-in for
+torch.nn.Softmax; torch's own autograd would do the same, and this file is the baseline the
+kernels are checked and timed against.
 `autograd_function` and `traceable_softmax` build the autograd.Function and the custom ops over
 any pair of plain functions: triton_impl.py and cute_impl.py call them with theirs.
 """
+
+import functools
 
 import torch
 
@@ -33,6 +36,43 @@ def softmax_backward(y, dy, dx):
     return dx
 
 
+class SecondDerivativeRaises(torch.autograd.Function):
+    """The identity on a gradient, whose own backward raises (see once_differentiable)."""
+
+    @staticmethod
+    def forward(ctx, gradient):
+        return gradient.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError(
+            "the course's backward is not differentiable: no double backward (a gradient of "
+            "a gradient taken with create_graph=True)"
+        )
+
+
+def once_differentiable(backward):
+    """backward(ctx, *gradients) run without recording a graph. Under create_graph=True every
+    gradient it returns goes through SecondDerivativeRaises: differentiating it raises instead
+    of seeing a constant. torch's once_differentiable does so only when an incoming gradient
+    requires grad, so a loss linear in the output (or a gradient computed from saved tensors
+    alone) gave a wrong second derivative silently."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *gradients):
+        if not torch.is_grad_enabled():  # create_graph=False: no graph, nothing to wrap
+            return backward(ctx, *gradients)
+        with torch.no_grad():
+            result = backward(ctx, *gradients)
+
+        def raising(g):  # a leaf that requires grad, so that the node is recorded
+            return g if g is None else SecondDerivativeRaises.apply(g.detach().requires_grad_())
+
+        return tuple(map(raising, result)) if isinstance(result, tuple) else raising(result)
+
+    return wrapper
+
+
 def autograd_function(forward, backward):
     """SoftmaxFunction over a pair of plain functions (this file's, Triton's or CuTe's): the
     eager path, saving y for the backward."""
@@ -45,6 +85,7 @@ def autograd_function(forward, backward):
             return y
 
         @staticmethod
+        @once_differentiable  # a second derivative raises instead of coming out wrong
         def backward(ctx, dy):
             (y,) = ctx.saved_tensors
             return backward(y, dy, torch.empty_like(y))
@@ -95,11 +136,9 @@ def traceable_softmax(name, forward, backward, eager):
 
 
 SoftmaxFunction = autograd_function(softmax_forward, softmax_backward)
-
-
-def softmax(x):
-    """softmax over x's last dimension, differentiable."""
-    return SoftmaxFunction.apply(x)
+# A custom op under torch.compile here too: traced through, the operand checks' address
+# arithmetic fails on symbolic shapes (dynamic=True, or a shape that changes between steps).
+softmax = traceable_softmax("torch", softmax_forward, softmax_backward, SoftmaxFunction)
 
 
 class Softmax(SoftmaxModule):

@@ -16,6 +16,8 @@ why. Implementations are interleaved shape by shape. The ceiling is a 1 GiB devi
 copy of the same run. The library op is `F.silu(g) * u` (fwd+bwd: its autograd). Anchors, when
 importable: torch.compile of the library expression (inductor's fused kernel; its result checked
 first) and Liger's LigerSiLUMulFunction; a missing one prints why.
+The per-call floors of the same run (`call_floors_us`: torch's `y.copy_(x)` and a bare Triton
+launch on 4096 float32) go into results.json's ceilings beside the per-call rows.
 """
 
 import argparse
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 import torch_impl
 import triton_impl
@@ -121,6 +124,33 @@ def copy_ceiling_gbps():
     return 2 * source.nbytes / median_ms(lambda: target.copy_(source)) / 1e6
 
 
+@triton.jit
+def bare_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """The least a Triton launch can do: the floor under every Triton launcher's per-call cost."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def call_floors_us():
+    """The per-call floors of this run (DESIGN.md, "Per-call cost"), us a back-to-back call on
+    4096 float32: torch's y.copy_(x) and a bare Triton launch."""
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    launch = lambda: bare_copy[(4,)](x, y, 4096, BLOCK=1024)  # noqa: E731
+    return {"torch_call_us": wall_us(lambda: y.copy_(x)), "triton_launch_us": wall_us(launch)}
+
+
+def wall_us(fn):
+    """Wall time of one of CALLS back-to-back calls of fn, us."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
+
+
 def timed_passes(forward, g, u, dy):
     """((fwd ms, fwd+bwd ms), their timings) of a differentiable forward; the anchor must
     agree with torch. The backward gets copies of g and u: Liger's writes its gradients over
@@ -147,13 +177,7 @@ def per_call_rows(impls, dtype):
     samples = {name: [] for name in names}
     for shift in range(ROUNDS):
         for name in names[shift:] + names[:shift]:
-            impls[name](g, u)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                impls[name](g, u)
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+            samples[name].append(wall_us(lambda name=name: impls[name](g, u)))
     host = {name: statistics.median(us) for name, us in samples.items()}
     return [
         {"impl": impl, "pass": "fwd", "dtype": str(dtype)[6:], "shape": list(TINY_SHAPE),
@@ -221,15 +245,17 @@ def plot(rows, path):
 
 def main(quick=False, dtypes=None, tiles=()):
     ceiling, impls, rows = copy_ceiling_gbps(), implementations(tiles), []
+    floors = call_floors_us()
     for dtype in dtypes or (DTYPES[:1] if quick else DTYPES):
         if not quick:
             rows += per_call_rows(impls, dtype)
         for shape in QUICK_SHAPES if quick else SHAPES:
             rows += shape_rows(impls, dtype, shape, ceiling)
             torch.cuda.empty_cache()  # 32768x28672 float32 operands are 3.8 GB each
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    results = {"device": torch.cuda.get_device_name(), "ceilings": {"copy_GBps": ceiling},
-               "rows": rows}  # fmt: skip
+    print(f"copy ceiling {ceiling:.0f} GB/s; per call: torch {floors['torch_call_us']:.1f} us, "
+          f"Triton launch {floors['triton_launch_us']:.1f} us")  # fmt: skip
+    ceilings = {"copy_GBps": ceiling, **floors}
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceilings, "rows": rows}
     if not quick:
         (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         plot(rows, HERE / "perf.png")

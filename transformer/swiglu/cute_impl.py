@@ -35,6 +35,9 @@ VECTOR_BYTES = 16  # the widest access a thread can issue: 128 bits
 # bandwidth-latency product per SM (~20 kB).
 TILE_VECTORS = 2
 EXP_ARGUMENT_ROUNDINGS = 2
+# Blocks a launch takes: the launcher forms the grid, M x tiles_n blocks, and the kernel a
+# block's row and tile, in Int32; 2**30 stays inside it and grid.x's limit (2**31 - 1).
+BLOCKS_PER_LAUNCH = 2**30
 LOG2_E = math.log2(math.e)
 
 TORCH_TO_CUTLASS = {
@@ -238,6 +241,19 @@ def on_cuda(g):
         raise ValueError(f"the operands are on {g.device}; the CuTe kernel needs CUDA tensors")
 
 
+def launch_on_row_slices(kernel, operands):
+    """kernel(*operands) on (M, N) operands: one launch up to BLOCKS_PER_LAUNCH blocks, past
+    that one a slice of as many rows as that many blocks take (views; every element's result
+    is its own, so slicing changes no bit)."""
+    (m, n), tile_elems = operands[0].shape, run_of(operands[0].element_size() * 8)[1]
+    tiles_n = -(-n // tile_elems)
+    if m * tiles_n <= BLOCKS_PER_LAUNCH:
+        return kernel(*operands)
+    rows = BLOCKS_PER_LAUNCH // tiles_n
+    for start in range(0, m, rows):
+        kernel(*(t[start : start + rows] for t in operands))
+
+
 def launch(direction, inputs, outputs):
     """Run the compiled kernel on (M, N) views of the operands; outputs whose leading
     dimensions do not merge into rows go through a contiguous copy."""
@@ -246,7 +262,7 @@ def launch(direction, inputs, outputs):
     operands = input_rows + [rows for rows, _ in output_rows]
     vectorized = all(is_vector_friendly(t) for t in operands)
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
-    compile_kernel(direction, inputs[0].dtype, vectorized)(*operands)
+    launch_on_row_slices(compile_kernel(direction, inputs[0].dtype, vectorized), operands)
     for target, (rows, copied) in zip(outputs, output_rows, strict=True):
         if copied:
             target.copy_(rows.view(target.shape))

@@ -19,6 +19,7 @@ infinities follow IEEE arithmetic on the formula (README.md, "Special values"). 
 functions return new float64 tensors and mutate nothing.
 """
 
+import functools
 import math
 
 import torch
@@ -40,14 +41,84 @@ def address_range(t):
 
 
 def overlap(a, range_a, b, range_b):
-    """'none', 'same' (the very same elements in the same order) or 'partial', by address:
-    a and b with their address_range."""
+    """'none', 'same' (the very same elements in the same order) or 'partial' for a and b with
+    their address_range: by range first, then, where the ranges meet, element by element."""
     if range_a is None or range_b is None or range_a[1] <= range_b[0] or range_b[1] <= range_a[0]:
         return "none"
-    same_layout = a.shape == b.shape and all(
-        a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1
-    )
-    return "same" if range_a[0] == range_b[0] and same_layout else "partial"
+    if a is b:
+        return "same"
+    if range_a[0] == range_b[0] and a.shape == b.shape:
+        if all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1):
+            return "same"
+    return "partial" if share_an_element(a, b) else "none"
+
+
+def share_an_element(a, b):
+    """Whether views a and b, whose address ranges meet, have an element in common: exact for
+    views that move along nested strides, as slices and permutations of one tensor do (dg and du
+    as the two halves of one (M, 2N) gradient, or over g and u of the fused gate-up tensor);
+    True (refused) where that is not decided here.
+
+    a's elements lie at a0 + sum_s i_s s and b's at b0 + sum_s j_s s, over the strides s either
+    view moves along (0 <= i_s < m_s and 0 <= j_s < n_s, a size 1 along a stride its view does
+    not move on), so they meet iff b0 - a0 = sum_s k_s s for integers k_s = i_s - j_s in
+    [1 - n_s, m_s - 1]: a point of a bounded lattice, found by `lattice_reaches`."""
+    return views_meet(b.data_ptr() - a.data_ptr(), a.element_size(), b.element_size(),
+                      a.shape, a.stride(), b.shape, b.stride())  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)  # far more view pairs than a model's layers ever cut
+def views_meet(offset, a_size, b_size, a_shape, a_strides, b_shape, b_strides):
+    """share_an_element on integers alone (b's first byte minus a's, element sizes, shapes and
+    strides), memoised: a model passes the same few pairs of views every layer and step, and
+    the offset between two views of one buffer does not move with the buffer, so the search
+    runs once per pair of layouts and a repeated call is a dictionary look-up."""
+    if 0 in a_shape or 0 in b_shape:
+        return False
+    delta, misaligned = divmod(offset, a_size)
+    if misaligned or b_size != a_size:
+        return True
+    extents = {}  # stride: [a's size along it, b's size along it]; stride 0 repeats elements
+    for m, stride in zip(a_shape, a_strides, strict=True):
+        if m > 1 and stride:
+            if stride in extents:
+                return True  # two dimensions of one view on one stride: not decided here
+            extents[stride] = [m, 1]
+    for n, stride in zip(b_shape, b_strides, strict=True):
+        if n > 1 and stride:
+            sizes = extents.setdefault(stride, [1, 1])
+            if sizes[1] > 1:
+                return True
+            sizes[1] = n
+    steps = sorted(((s, 1 - n, m - 1) for s, (m, n) in extents.items()), reverse=True)
+    return lattice_reaches(delta, steps)
+
+
+def lattice_reaches(delta, steps):
+    """Whether delta = sum k_d s_d with low_d <= k_d <= high_d, steps = [(s_d, low_d, high_d)]
+    from the largest stride down. The dimensions after d reach only [below_d, above_d], which
+    leaves few k_d: at most two where each stride steps past both views' reach in the smaller
+    dimensions (slices and permutations of one tensor), so the search visits at most 2**dims
+    leaves. More than two means strides that interleave: True (refuse), not a longer search."""
+    windows, below, above = [], 0, 0
+    for stride, low, high in reversed(steps):
+        windows.append((below, above))
+        below, above = below + stride * low, above + stride * high
+    windows.reverse()
+    pending = [(delta, 0)]  # (what is left to reach, the next dimension)
+    while pending:
+        left, d = pending.pop()
+        if d == len(steps):
+            if left == 0:
+                return True
+            continue
+        (stride, low, high), (below, above) = steps[d], windows[d]
+        first = max(low, -((above - left) // stride))  # ceil((left - above) / stride)
+        last = min(high, (left - below) // stride)
+        if last - first > 1:
+            return True
+        pending += [(left - k * stride, d + 1) for k in range(first, last + 1)]
+    return False
 
 
 def elements_collide(t):
@@ -106,7 +177,7 @@ def _check_inputs(g, u):
 def _check_outputs(inputs, outputs):
     """outputs: ((name, tensor, shape), ...) of g's dtype and device. Each element is read
     before its own output element is written, so an output may be an input itself (in place);
-    nothing else may share an address with an output."""
+    nothing else may share an element with an output."""
     g = inputs[0][1]
     dtypes, device = SAME_DTYPE[g.dtype], g.device
     for name, t, shape in outputs:

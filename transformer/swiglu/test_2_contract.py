@@ -15,6 +15,7 @@ from test import (
     backward_bounds,
     check_backward,
     check_forward,
+    cute_impl,
     forward_bound,
     forward_then_backward,
     implementation,
@@ -22,6 +23,7 @@ from test import (
     operands,
     random_rows,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import reference
 from common.tolerance import assert_same_bits, assert_within_bound
@@ -69,6 +71,40 @@ def test_strided_operands(impl, dtype, kind):
     y, dg, du = (strided(kind, m, n, dtype) for _ in range(3))  # outputs in that layout too
     check_forward(impl, g, u, y)
     check_backward(impl, g, u, dy, dg, du)
+
+
+def far_rows(t, path):
+    """t copied into a view whose rows lie 2**27 elements apart, so that rows from the 17th
+    on start past 2**31 elements from the first: device memory on a GPU, on the CPU a sparse
+    file at `path` mapped privately, so that only the pages of its rows take any."""
+    m, width = t.shape
+    size = (m - 1) * 2**27 + width
+    if t.is_cuda:
+        buffer = torch.empty(size, dtype=t.dtype, device=t.device)
+    else:
+        with open(path, "wb") as file:
+            file.truncate(size * t.element_size())
+        buffer = torch.from_file(str(path), shared=False, size=size, dtype=t.dtype)
+    return buffer.as_strided(t.shape, (2**27, 1)).copy_(t)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_past_2_31_elements(impl, form, tmp_path):
+    """g and u (or the fused gu, whose up half starts N elements into each row) read from, and
+    y, dg and du written into, views whose rows from the 17th on start past 2**31 elements
+    from their first (bf16, whole 16-byte runs: CuTe's vector build): within the bound, where
+    a 32-bit row offset wraps and reads or writes outside the view (on the CPU a segmentation
+    fault of the interpreter; on a GPU an illegal address, which ends the process's CUDA
+    context: run it alone first, `python test.py -k past_2_31`)."""
+    m, n = 20, 24
+    g, u = operands(form, m, n, torch.bfloat16)
+    far = {name: None if t is None else far_rows(t, tmp_path / name)
+           for name, t in (("g", g), ("u", u), ("y", torch.empty(m, n, dtype=g.dtype,
+           device=g.device)), ("dg", g), ("du", u))}  # fmt: skip
+    check_forward(impl, far["g"], far["u"], far["y"])
+    dy = random_rows(m, n, torch.bfloat16, scale=1.0)
+    check_backward(impl, far["g"], far["u"], dy, far["dg"], far["du"])
 
 
 def poisoned_view(m, n, dtype, margin=7):
@@ -129,6 +165,27 @@ def test_in_place(impl, form):
         assert d_gate is g and d_up is dy
     assert_within_bound(d_gate, exact_dg, dg_bound)
     assert_within_bound(d_up, exact_du, du_bound)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_operands_sharing_one_buffer(impl, dtype):
+    """Views that interleave in memory but share no element: y beside g and u in one (M, 3N)
+    buffer (g and u unchanged), and dg and du as the two halves of one NaN-filled (M, 2N)
+    gradient, within the bounds; then in place over the halves of the fused gate-up tensor
+    (dg = g, du = u), the same bits."""
+    m, n = 3, 1000
+    gate_up_y = random_rows(m, 3 * n, dtype)
+    g, u, y = gate_up_y.split(n, dim=1)
+    before = gate_up_y[:, : 2 * n].clone()
+    check_forward(impl, g, u, y)
+    assert_same_bits(gate_up_y[:, : 2 * n], before, "g and u beside y")
+    g, u = reference.halves(random_rows(m, 2 * n, dtype))
+    dy = random_rows(m, n, dtype, 1.0)
+    gradient = torch.full((m, 2 * n), math.nan, dtype=dtype, device=DEVICE)
+    check_backward(impl, g, u, dy, *reference.halves(gradient))
+    implementation(impl).swiglu_backward(g, u, dy, g, u)
+    assert_same_bits(torch.cat((g, u), dim=1), gradient, "dg, du in place over g, u")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -330,3 +387,72 @@ def test_torch_compile_fullgraph(impl):
     same(compiled_out.detach(), eager_out.detach())
     for p, eager_grad in zip(model.parameters(), eager_grads, strict=True):
         same(p.grad, eager_grad)
+
+
+# In a training loop: what a model does around the op beyond forward and backward
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("form", FORMS)
+def test_double_backward_raises(impl, form):
+    """The backward is not itself differentiable: a second derivative (create_graph=True, as a
+    gradient penalty asks) raises rather than giving a wrong answer silently (zero through the
+    kernels' outputs, or an in-place error from inside torch's backward)."""
+    fns = implementation(impl)
+    g, u = operands(form, 3, 17, torch.float32)
+    inputs = [t.requires_grad_() for t in (g, u) if t is not None]
+    c = random_rows(3, 17, torch.float32)
+    # a loss quadratic in y (dy requires grad) and one linear in y (dy a constant: the
+    # gradients still depend on g and u)
+    for loss in (lambda y: y.square().sum(), lambda y: (y * c).sum()):
+        grads = torch.autograd.grad(loss(fns.swiglu(g, u)), inputs, create_graph=True)
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            (sum(d.square().sum() for d in grads) + g.sum()).backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_module_pickles(impl):
+    """torch.save of a whole model pickles the module's class by name: the class must be found
+    where the implementation file binds it."""
+    import pickle
+
+    fns = implementation(impl)
+    again = pickle.loads(pickle.dumps(fns.SwiGLU()))
+    assert type(again) is fns.SwiGLU
+    g, u = operands("two tensors", 3, 17, torch.float32)
+    assert_same_bits(again(g, u), fns.swiglu(g, u))
+
+
+def check_op(impl, name, args):
+    """torch.library.opcheck of kernel_course::<name> (the schema: no undeclared mutation or
+    alias; the fake against the real outputs' shapes, strides and dtypes; the autograd
+    registration; AOTAutograd's dynamic-shape trace). CuTe's kernels launch only on a GPU:
+    without one, its fake is checked against the real Triton op's outputs."""
+    if impl == "cute" and cute_impl is None:
+        pytest.skip("cute_impl cannot be imported (test.py says why)")
+    op = getattr(torch.ops.kernel_course, name.format(impl))
+    if impl != "cute" or ON_GPU:
+        torch.library.opcheck(op, args)
+        return
+    real = getattr(torch.ops.kernel_course, name.format("triton"))(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    for r, f in zip(real, fake, strict=True):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "cute"])
+def test_custom_ops_pass_opcheck(impl):
+    """Both ops on representative operands: float32 that requires grad (two tensors and the
+    fused gate-up one), row-strided bfloat16 slices, and the backward given the stride-0
+    gradient that loss = y.sum() sends and a transposed one."""
+    g, u = (random_rows(5, 33, torch.float32) for _ in range(2))
+    gu = random_rows(5, 66, torch.float32)
+    grad = lambda t: t.clone().requires_grad_()  # noqa: E731
+    forward, backward = "swiglu_{}_forward", "swiglu_{}_backward"
+    check_op(impl, forward, (grad(g), grad(u)))
+    check_op(impl, forward, (grad(gu), None))
+    check_op(impl, forward, tuple(random_rows(5, 40, torch.bfloat16)[:, :33] for _ in range(2)))
+    check_op(impl, backward, (g, u, torch.ones((), device=DEVICE).expand(5, 33)))
+    check_op(impl, backward, (gu, None, random_rows(33, 5, torch.float32).t()))

@@ -26,7 +26,8 @@ def test_cute_ptx(direction, dtype, vectorized):
     bits. Both: per element one mul.f32 by -log2 e (in float32: the two argument roundings of
     EXP_ARGUMENT_ROUNDINGS), one ex2.approx.ftz and one correctly rounded reciprocal (rcp.rn,
     what 1 / x compiles to); no other flushing (a flushed product would break the bound) or
-    approximate instruction, no spills."""
+    approximate instruction, no spills. Row offsets in 64 bits (M N may pass 2**31): the row
+    widened once, then row * stride + column a mad.lo.s64 per operand, none in 32 bits."""
     inputs, outputs = PASS_OPERANDS[direction]
     per_thread = cute_impl.TILE_VECTORS * cute_impl.VECTOR_BYTES // dtype.itemsize
     ptx = cute_impl.ptx_of(direction, dtype, vectorized)
@@ -39,6 +40,8 @@ def test_cute_ptx(direction, dtype, vectorized):
     assert count(r"ex2\.approx\.ftz\.f32") == per_thread == count(r"rcp\.rn\.f32")
     assert count(r"ftz") == count(r"\.approx") == per_thread
     assert count(r"\.local") == 0
+    assert count(r"cvt\.s64\.s32") == 1 and count(r"mad\.lo\.s64") >= inputs + outputs
+    assert count(r"mad\.lo\.s32") == 0
     assert cute_impl.EXP_ARGUMENT_ROUNDINGS == 2
 
 
@@ -127,3 +130,37 @@ def test_cute_vector_entry_refuses_misaligned_rows():
     assert not cute_impl.is_vector_friendly(operands[0])
     with pytest.raises(ValueError, match="alignment"):
         kernel(*(cuda_labelled(t) for t in operands))
+
+
+PAST_INT32_ROWS = 2**31 + 3  # an Int32 M would keep 3 of these rows
+
+
+@cute_installed
+@pytest.mark.parametrize("m, n, launches", [(PAST_INT32_ROWS, 2, 3), (2**24 + 1, 262144, 2)])
+def test_cute_launches_row_slices(m, n, launches):
+    """Past BLOCKS_PER_LAUNCH blocks (M x tiles_n) the compiled launcher runs once a slice of
+    the rows that many blocks take: views of every operand (the fused g and u halves of one
+    (M, 2N) matrix included) covering the rows once and in order (meta tensors, sized but never
+    allocated, stand in for the GPU's and a recorder for the launcher). Up to it, one launch on
+    the operands themselves."""
+    gu = torch.empty(m, 2 * n, dtype=torch.bfloat16, device="meta")
+    operands = (*reference.halves(gu), torch.empty(m, n, dtype=torch.bfloat16, device="meta"))
+    tiles_n = -(-n // cute_impl.run_of(16)[1])
+    recorded = []
+    cute_impl.launch_on_row_slices(lambda *rows: recorded.append(rows), operands)
+    assert len(recorded) == launches
+    start = 0
+    for rows in recorded:
+        count = rows[0].shape[0]
+        assert 0 < count * tiles_n <= cute_impl.BLOCKS_PER_LAUNCH
+        for row_slice, whole in zip(rows, operands, strict=True):
+            assert row_slice.shape == (count, n) and row_slice.stride() == whole.stride()
+            offset = whole.storage_offset() + start * whole.stride(0)
+            assert row_slice.storage_offset() == offset
+        start += count
+    assert start == m
+    recorded.clear()
+    rows = cute_impl.BLOCKS_PER_LAUNCH // tiles_n
+    at_limit = tuple(t[:rows] for t in operands)
+    cute_impl.launch_on_row_slices(lambda *rows: recorded.append(rows), at_limit)
+    assert len(recorded) == 1 and all(a is b for a, b in zip(recorded[0], at_limit, strict=True))

@@ -3,11 +3,11 @@ The set-up, the bound model and the shared helpers live in test.py, which runs t
 
 import pytest
 import torch
-from test import IMPLS, ON_GPU, backward_bounds, forward_bound, implementation, random_rows
+from test import DEVICE, IMPLS, ON_GPU, backward_bounds, forward_bound, implementation, random_rows
 
 import reference
 import torch_impl
-from common.tolerance import assert_within_bound
+from common.tolerance import assert_same_bits, assert_within_bound
 
 # (5) GPU only --------------------------------------------------------------------------------
 
@@ -53,3 +53,35 @@ def test_large_against_float64(impl, dtype, m, n):
     d_gate, d_up = reference.halves(dgu)
     assert_within_bound(d_gate, exact_dg, dg_bound, f"{impl} dg")
     assert_within_bound(d_up, exact_du, du_bound, f"{impl} du")
+
+
+# Rows past an Int32 (an Int32 M keeps 3 of them), through every slice boundary of cute_impl's
+# BLOCKS_PER_LAUNCH (one block a row at N = 2); rows of 2 bf16 values, 8.6 GB an operand.
+PAST_INT32_ROWS = 2**31 + 3
+
+
+@gpu_only
+def test_cute_rows_past_2_31():
+    """2**31 + 3 rows of N = 2 in bfloat16 (g, u, y, dy, dg: 43 GB, and 4.3 GB of isnan
+    flags): outputs poisoned with NaN come back finite in every row, and the rows around the
+    slices' boundaries and the last ones carry the bits of the same rows launched alone."""
+    cute_impl = implementation("cute")
+    m, limit = PAST_INT32_ROWS, cute_impl.BLOCKS_PER_LAUNCH
+    g, u, dy = (torch.randn(m, 2, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
+    y = cute_impl.swiglu_forward(g, u, torch.full_like(g, float("nan")))
+    assert not y.isnan().any()
+    rows = torch.tensor([0, limit - 1, limit, 2**31 - 1, 2**31, m - 1], device=DEVICE)
+    alone = cute_impl.swiglu_forward(g[rows], u[rows], torch.empty_like(g[rows]))
+    assert_same_bits(y[rows], alone)
+    want = torch.nn.functional.silu(g[rows].float()) * u[rows].float()
+    assert (alone.float() - want).abs().max() <= 2**-7 * want.abs().max()
+    dg, du = cute_impl.swiglu_backward(
+        g, u, dy, torch.full_like(g, float("nan")), y.fill_(float("nan"))
+    )
+    assert not (dg.isnan().any() or du.isnan().any())
+    fresh = (torch.empty_like(alone), torch.empty_like(alone))
+    alone_grads = cute_impl.swiglu_backward(g[rows], u[rows], dy[rows], *fresh)
+    for got, want in zip((dg[rows], du[rows]), alone_grads, strict=True):
+        assert_same_bits(got, want)
+    del g, u, dy, y, dg, du
+    torch.cuda.empty_cache()  # 43 GB: back to the device, which other suites may share

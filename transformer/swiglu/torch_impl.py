@@ -13,6 +13,7 @@ autograd.Function, `swiglu(g, u=None)` and the module `SwiGLU`; each takes g and
 fused gate-up tensor alone.
 """
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +47,43 @@ def swiglu_backward(g, u, dy, dg, du=None):
         d_gate.copy_(grad_gate)
         d_up.copy_(grad_up)
     return dg, du
+
+
+class SecondDerivativeRaises(torch.autograd.Function):
+    """The identity on a gradient, whose own backward raises (see once_differentiable)."""
+
+    @staticmethod
+    def forward(ctx, gradient):
+        return gradient.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError(
+            "the course's backward is not differentiable: no double backward (a gradient of "
+            "a gradient taken with create_graph=True)"
+        )
+
+
+def once_differentiable(backward):
+    """backward(ctx, *gradients) run without recording a graph. Under create_graph=True every
+    gradient it returns goes through SecondDerivativeRaises: differentiating it raises instead
+    of seeing a constant. torch's once_differentiable does so only when an incoming gradient
+    requires grad, so a loss linear in the output (or a gradient computed from saved tensors
+    alone) gave a wrong second derivative silently."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *gradients):
+        if not torch.is_grad_enabled():  # create_graph=False: no graph, nothing to wrap
+            return backward(ctx, *gradients)
+        with torch.no_grad():
+            result = backward(ctx, *gradients)
+
+        def raising(g):  # a leaf that requires grad, so that the node is recorded
+            return g if g is None else SecondDerivativeRaises.apply(g.detach().requires_grad_())
+
+        return tuple(map(raising, result)) if isinstance(result, tuple) else raising(result)
+
+    return wrapper
 
 
 # --- Model plumbing, shared by torch_impl and triton_impl ------------------------------------
@@ -107,6 +145,7 @@ def model_plumbing(name, forward, backward):
             return y
 
         @staticmethod
+        @once_differentiable  # a second derivative raises instead of coming out wrong
         def backward(ctx, dy):
             g, *u = ctx.saved_tensors
             if ctx.fused:
@@ -129,6 +168,9 @@ def model_plumbing(name, forward, backward):
         def forward(self, g, u=None):
             return swiglu(g, u)
 
+    # pickle (torch.save of a whole model) finds a class by module and name: the calling file,
+    # whose forward this is, binds it as `SwiGLU`
+    SwiGLU.__module__, SwiGLU.__qualname__ = forward.__module__, "SwiGLU"
     return SimpleNamespace(
         SwiGLUFunction=SwiGLUFunction,
         swiglu=swiglu,
