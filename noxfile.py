@@ -66,6 +66,13 @@ for folder in TRANSFORMER:
     kernel_session(f"transformer/{folder}", "transformer")
 
 
+@nox.session(venv_backend="none")
+def tools(session):
+    """Tests of tools/ (the GPU runner's ledger, the README tables' writer), on the CPU."""
+    python = course_python(session)
+    session.run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tools", external=True)
+
+
 @nox.session
 def lint(session):
     """ruff: lint rules and formatting."""
