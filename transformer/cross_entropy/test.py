@@ -628,9 +628,9 @@ def fused_dloss(target, reduction):
 def check_fused(x, target, eps, reduction, outputs=None, in_place=False):
     """cross_entropy_fused against the reference: loss and lse within the forward's bound and
     with the unfused forward's bits, dx within the backward's bound at the dloss it assumes, the
-    reduced loss within its bound. Returns dx. (dx and the unfused backward's differ in the last
-    bit of a few elements on the H200: the compiler contracts the two kernels' products into
-    FMAs differently; each is inside the bound, which is the contract.)"""
+    reduced loss within its bound, and dx with the unfused backward's bits at that dloss (the
+    fused kernel reads back the lse it stored: its lanes' own may differ in the last bit).
+    Returns dx."""
     m = x.shape[0]
     new_rows, new_dx = (lambda: torch.empty(m, device=DEVICE)), (lambda: torch.empty_like(x))
     logits = x.clone() if in_place else x  # x stays: the reference reads it afterwards
@@ -649,6 +649,10 @@ def check_fused(x, target, eps, reduction, outputs=None, in_place=False):
     unfused = triton_impl.cross_entropy_forward(x, target, -100, eps, new_rows(), new_rows())
     assert_same_bits(loss, unfused[0], "fused loss")
     assert_same_bits(lse, unfused[1], "fused lse")
+    unfused_dx = triton_impl.cross_entropy_backward(
+        x, target, unfused[1], dloss, -100, eps, torch.empty_like(x)
+    )
+    assert_same_bits(dx, unfused_dx, "fused dx")
     return dx
 
 

@@ -200,6 +200,11 @@ def cross_entropy_fused_kernel(
     )  # fmt: skip
     tl.store(loss_ptr + row * stride_loss, loss)
     tl.store(lse_ptr + row * stride_lse, lse)
+    # Every thread takes the stored lse back rather than its own: LLVM contracts the rescaling
+    # products into the first adds of the warp's butterfly differently in different lanes, so
+    # the lanes' lse may differ in the last bit, and dx must use the one the backward reads.
+    tl.debug_barrier()  # the store is visible to the whole program
+    lse = tl.load(lse_ptr + row * stride_lse)
     write_row_gradient(
         x_row, dx_ptr + row * stride_dxm, target, kept, lse, tl.math.div_rn(1.0, divisor), n,
         stride_xn, stride_dxn, smooth_weight, target_weight, CHUNK,
