@@ -15,9 +15,12 @@ forward  `forward_map`: P the fewest threads (32 to 256) holding the row in regi
          y = xhat w + b (`normalise_tile`). Longer rows (`forward_row_streamed`, a block
          each): K = the mean of tile 0, pass 1 the shifted sums, pass 2 y, last tile first.
 backward one block per row group (`row_groups`). Rows of at most ROW_REGISTERS_MAX values a
-         thread (`layernorm_backward_rows_kernel`): the row's x and dy read once into
-         registers, g and g xhat summed (`block_sum`), dx written, dy xhat and dy added into
-         the group's sums in registers, written once as two float32 partial rows. Longer
+         thread (`layernorm_backward_rows_kernel`): the row's x and dy read once (whole-tile
+         vector builds keep the next STAGES rows flying into shared memory by cp.async,
+         `stage_row`, and read the row from there twice, for the sums and for dx, so none is
+         held in registers across the barrier), g and g xhat summed (`row_sums`, one
+         barrier for both), dx written, dy xhat and dy added into the group's sums in
+         registers, written once as two float32 partial rows. Longer
          rows (`layernorm_backward_kernel`): per row, pass 1 sums g and g xhat, pass 2 writes
          dx and adds into the group's partial rows in memory. `sum_partials_kernel`: per
          column, eight slices of the groups in order, then the slices in order.
@@ -51,6 +54,9 @@ PARTIALS_MAX = 512  # the backward's row groups, as in triton_impl.py
 # The rows kernel keeps x, dy, w and the group's dweight and dbias in float32 registers, this
 # many values of each a thread (5 * 32 = 160 registers): rows of up to 256 * 32 = 8192 elements.
 ROW_REGISTERS_MAX = 32
+# Rows the backward's staged build keeps flying into shared memory ahead of the one it works on:
+# 32 KB of shared memory a block at bf16 N = 4096 (README.md, tuning log).
+STAGES = 2
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -378,52 +384,97 @@ def layernorm_backward_kernel(
             )  # fmt: skip
 
 
+@cute.jit
+def stage_row(stage_copy, sources, staged, row, tile_elems: cutlass.Constexpr[int],
+              row_tiles: cutlass.Constexpr[int]):  # fmt: skip
+    """cp.async this thread's elements of `row` of each source (x, dy) into the same slots of
+    staged[k, None] (the caller commits the group): the loads fly while the block works on
+    earlier rows. Each thread reads back only what it staged, so its own cp.async.wait_group
+    orders it: no barrier."""
+    thread_copy = stage_copy.get_slice(cute.arch.thread_idx()[0])
+    for k in cutlass.range_constexpr(len(sources)):
+        for tile in cutlass.range_constexpr(row_tiles):
+            source = cute.local_tile(sources[k][row, None], (tile_elems,), (tile,))
+            target = cute.local_tile(staged[k, None], (tile_elems,), (tile,))
+            cute.copy(stage_copy, thread_copy.partition_S(source), thread_copy.partition_D(target))
+
+
 @cute.kernel
 def layernorm_backward_rows_kernel(
     x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
     dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor, m: cutlass.Int32,
     n: cutlass.Int32, rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, copies,
     tile_elems: cutlass.Constexpr[int], per_thread: cutlass.Constexpr[int],
-    row_tiles: cutlass.Constexpr[int],
+    row_tiles: cutlass.Constexpr[int], whole_tiles: cutlass.Constexpr[bool], stage_copy,
 ):  # fmt: skip
     """The backward of a group of rows that fit the block's registers (row_tiles tiles): x and
     dy read once, dx written once; dy xhat and dy summed over the group's rows in registers
-    and written once as the group's two partial rows. backward_row's trees: the same bits."""
+    and written once as the group's two partial rows. backward_row's trees: the same bits.
+    A whole-tile vector build (stage_copy not None) keeps rows i + 1 .. i + STAGES of x and dy
+    flying into shared memory and reads row i from there twice, for the sums and for dx, so
+    no row is held in registers across the barrier (with w and both sums held, x and dy in
+    registers too gave 128 registers a thread: two blocks an SM, each with one row in
+    flight); whole_tiles also drops the partial tile's predicated path."""
     x_copies, w_copies, partial_copies = copies
     group, _, _ = cute.arch.block_idx()
-    xs, dys, ws, dws, dbs = (
-        [cute.make_rmem_tensor(per_thread, cutlass.Float32) for _ in range(row_tiles)]
-        for _ in range(5)
-    )
+    row_n = row_tiles * tile_elems if cutlass.const_expr(whole_tiles) else n
+    xs, dys, ws, dws, dbs = ([registers(per_thread) for _ in range(row_tiles)] for _ in range(5))
     for tile in cutlass.range_constexpr(row_tiles):
         dws[tile].fill(0.0)
         dbs[tile].fill(0.0)
-        load_tile(w_copies, w, tile, n, tile_elems, ws[tile])
+        load_tile(w_copies, w, tile, row_n, tile_elems, ws[tile])
     first = group * rows_per_group
-    for row in cutlass.range(first, cutlass.min(first + rows_per_group, m)):
+    last = cutlass.min(first + rows_per_group, m)
+    staged = None
+    if cutlass.const_expr(stage_copy is not None):  # (STAGES, x and dy, the row's elements)
+        row_elems = row_tiles * tile_elems
+        staged = cute.make_tensor(
+            cute.arch.get_dyn_smem(x.element_type, alignment=VECTOR_BYTES),
+            cute.make_layout((STAGES, 2, row_elems), stride=(2 * row_elems, row_elems, 1)),
+        )
+        for ahead in cutlass.range_constexpr(STAGES):
+            if first + ahead < last:
+                stage_row(stage_copy, (x, dy), staged[ahead, None, None], first + ahead,
+                          tile_elems, row_tiles)  # fmt: skip
+            cute.arch.cp_async_commit_group()  # empty past the group: the count stays even
+    for row in cutlass.range(first, last):
         row_mean, row_rstd = mean[row], rstd[row]
+        if cutlass.const_expr(staged is not None):
+            stage = (row - first) % STAGES
+            cute.arch.cp_async_wait_group(STAGES - 1)  # this thread's copies of row landed
+            x_row, dy_row = staged[stage, 0, None], staged[stage, 1, None]
+        else:
+            x_row, dy_row = x[row, None], dy[row, None]
         for tile in cutlass.range_constexpr(row_tiles):  # every load in flight before a use
-            load_tile(x_copies, x[row, None], tile, n, tile_elems, xs[tile])
-            load_tile(x_copies, dy[row, None], tile, n, tile_elems, dys[tile])
+            load_tile(x_copies, x_row, tile, row_n, tile_elems, xs[tile])
+            load_tile(x_copies, dy_row, tile, row_n, tile_elems, dys[tile])
         thread_a, thread_b = cutlass.Float32(0.0), cutlass.Float32(0.0)
         for tile in cutlass.range_constexpr(row_tiles):
             g = [dys[tile][j] * ws[tile][j] for j in range(per_thread)]
             xhat = [(xs[tile][j] - row_mean) * row_rstd for j in range(per_thread)]
             thread_a = thread_a + pairwise_sum(g)
             thread_b = thread_b + pairwise_sum([g[j] * xhat[j] for j in range(per_thread)])
-        # Two block_sums, two shared buffers: a warp writes this buffer again only after the
-        # next row's second barrier, which every warp reaches after reading it.
-        a, b = block_sum(thread_a) * inv_n, block_sum(thread_b) * inv_n
+        a, b = row_sums([thread_a, thread_b], THREADS_PER_BLOCK)  # block_sum's tree for each
+        a, b = a * inv_n, b * inv_n
         for tile in cutlass.range_constexpr(row_tiles):
+            if cutlass.const_expr(staged is not None):  # read again: no row held across the sums
+                load_tile(x_copies, x_row, tile, row_n, tile_elems, xs[tile])
+                load_tile(x_copies, dy_row, tile, row_n, tile_elems, dys[tile])
             for j in cutlass.range_constexpr(per_thread):
                 xhat = (xs[tile][j] - row_mean) * row_rstd
                 dws[tile][j] = dws[tile][j] + dys[tile][j] * xhat
                 dbs[tile][j] = dbs[tile][j] + dys[tile][j]
                 xs[tile][j] = (dys[tile][j] * ws[tile][j] - a - xhat * b) * row_rstd
-            store_tile(x_copies, dx[row, None], tile, n, tile_elems, xs[tile])
+            store_tile(x_copies, dx[row, None], tile, row_n, tile_elems, xs[tile])
+        if cutlass.const_expr(staged is not None):  # the slots just read take row + STAGES
+            if row + STAGES < last:
+                stage_row(stage_copy, (x, dy), staged[stage, None, None], row + STAGES,
+                          tile_elems, row_tiles)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        cute.arch.sync_threads()  # row_sums' warp sums all read before the next row's land
     for tile in cutlass.range_constexpr(row_tiles):
-        store_tile(partial_copies, dw_partial[group, None], tile, n, tile_elems, dws[tile])
-        store_tile(partial_copies, db_partial[group, None], tile, n, tile_elems, dbs[tile])
+        store_tile(partial_copies, dw_partial[group, None], tile, row_n, tile_elems, dws[tile])
+        store_tile(partial_copies, db_partial[group, None], tile, row_n, tile_elems, dbs[tile])
 
 
 @cute.kernel
@@ -503,14 +554,26 @@ def launch_forward(
              block=[THREADS_PER_BLOCK, 1, 1], stream=stream)  # fmt: skip
 
 
+def stage_copy_of(dtype, run):
+    """The rows kernel's cp.async (16 bytes a copy, bypassing L1: x and dy are read once) on
+    the tile copy's map, so each thread stages exactly the elements it reads back."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), dtype,
+        num_bits_per_copy=VECTOR_BYTES * 8,
+    )  # fmt: skip
+    return cute.make_tiled_copy_tv(atom, cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run))
+
+
 @cute.jit
 def launch_backward(
     x: cute.Tensor, w: cute.Tensor, mean: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor,
     dx: cute.Tensor, dw_partial: cute.Tensor, db_partial: cute.Tensor,
     rows_per_group: cutlass.Int32, inv_n: cutlass.Float32, stream: cuda.CUstream,
     vector: cutlass.Constexpr[bool], row_tiles: cutlass.Constexpr[int],
+    whole_tiles: cutlass.Constexpr[bool],
 ):  # fmt: skip
-    """row_tiles > 0: the rows kernel; 0: a row at a time through zeroed partial rows."""
+    """row_tiles > 0: the rows kernel, staging rows in shared memory in a whole-tile vector
+    build; 0: a row at a time through zeroed partial rows."""
     m, n = cutlass.Int32(cute.size(x, mode=[0])), cutlass.Int32(cute.size(x, mode=[1]))
     groups = cutlass.Int32(cute.size(dw_partial, mode=[0]))
     tile_elems, per_thread, run = tile_shape(x.element_type.width)
@@ -521,11 +584,17 @@ def launch_backward(
     )
     operands = (x, w, mean, rstd, dy, dx, dw_partial, db_partial, m, n, rows_per_group, inv_n,
                 copies, tile_elems, per_thread)  # fmt: skip
+    staged_bytes = 0
     if cutlass.const_expr(row_tiles > 0):
-        kernel = layernorm_backward_rows_kernel(*operands, row_tiles)
+        staging = whole_tiles and vector  # cp.async moves 16-byte runs of whole tiles
+        stage_copy = stage_copy_of(x.element_type, run) if cutlass.const_expr(staging) else None
+        if cutlass.const_expr(staging):  # x and dy, STAGES rows each
+            staged_bytes = STAGES * 2 * row_tiles * tile_elems * x.element_type.width // 8
+        kernel = layernorm_backward_rows_kernel(*operands, row_tiles, whole_tiles, stage_copy)
     else:
         kernel = layernorm_backward_kernel(*operands)
-    kernel.launch(grid=[groups, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], stream=stream)
+    kernel.launch(grid=[groups, 1, 1], block=[THREADS_PER_BLOCK, 1, 1], smem=staged_bytes,
+                  stream=stream)  # fmt: skip
 
 
 @cute.jit
@@ -561,10 +630,10 @@ def fake_stats(m):
     return cute.runtime.make_fake_tensor(cutlass.Float32, (m,), stride=(cute.sym_int64(),))
 
 
-def build(direction, dtype, parameter_dtype, vector, row_tiles=0, forward_shape=None, options=""):
-    """cute.compile the forward (on forward_shape, forward_map's triple) or backward
-    (`row_tiles` as row_tiles_of gives it) launcher for TVM-FFI calls on torch tensors, on
-    torch's current stream; the operands share symbolic M and N."""
+def build(direction, dtype, parameter_dtype, vector, shape, options=""):
+    """cute.compile the forward (on `shape` = forward_map's triple) or backward (on `shape` =
+    backward_map's pair) launcher for TVM-FFI calls on torch tensors, on torch's current
+    stream; the operands share symbolic M and N."""
     m, n, groups = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
     x_type, p_type = TORCH_TO_CUTLASS[dtype], TORCH_TO_CUTLASS[parameter_dtype]
     run = tile_shape(x_type.width)[2]
@@ -580,17 +649,16 @@ def build(direction, dtype, parameter_dtype, vector, row_tiles=0, forward_shape=
         operands = (rows(x_type), fake_vector(p_type, n, vector), fake_stats(m), fake_stats(m),
                     rows(x_type), rows(x_type), partial, partial, cutlass.Int32(1),
                     cutlass.Float32(1.0))  # fmt: skip
-        launcher, operands = launch_backward, (*operands, stream, vector, row_tiles)
-    if direction == "forward":
-        operands = (*operands, stream, vector, *forward_shape)
+        launcher = launch_backward
+    operands = (*operands, stream, vector, *shape)
     return cute.compile(launcher, *operands, options=f"--enable-tvm-ffi {options}")
 
 
 @functools.cache
-def compile_kernel(direction, dtype, parameter_dtype, vector, row_tiles=0, forward_shape=None):
-    """The compiled launcher, built once per (direction, dtypes, access width, the backward's
-    tiles held or the forward's map) and cached."""
-    built = build(direction, dtype, parameter_dtype, vector, row_tiles, forward_shape)
+def compile_kernel(direction, dtype, parameter_dtype, vector, shape):
+    """The compiled launcher, built once per (direction, dtypes, access width, the forward's
+    or the backward's map) and cached."""
+    built = build(direction, dtype, parameter_dtype, vector, shape)
     return built.__tvm_ffi_object__()
 
 
@@ -605,11 +673,11 @@ def compile_sum(dtype):
     return cute.compile(launch_sum, partials, out, stream, options="--enable-tvm-ffi")
 
 
-def ptx_of(direction, dtype, contiguous, row_tiles=0, forward_shape=None):
+def ptx_of(direction, dtype, contiguous, shape):
     """The sm_90a PTX of a build: what the tests read for 128-bit loads, rsqrt and shuffles."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        built = build(direction, dtype, dtype, contiguous, row_tiles, forward_shape, options)
+        built = build(direction, dtype, dtype, contiguous, shape, options)
         return built.__ptx__
 
 
@@ -654,6 +722,14 @@ def forward_map(n, dtype):
     row_tiles = row_tiles_of(n, dtype, threads)
     tile_elems = tile_shape(dtype.itemsize * 8, threads)[0]
     return threads, row_tiles, row_tiles > 0 and n == row_tiles * tile_elems
+
+
+@functools.cache
+def backward_map(n, dtype):
+    """(tiles held, whole tiles) of the backward's block of 256 threads (0 tiles: a row at a
+    time, streamed); a whole-tile vector build stages the next rows in shared memory."""
+    row_tiles = row_tiles_of(n, dtype)
+    return row_tiles, row_tiles > 0 and n == row_tiles * tile_shape(dtype.itemsize * 8)[0]
 
 
 def row_sum_path(n, dtype, threads):
@@ -707,9 +783,7 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     (x_rows, _), (y_rows, y_copied) = as_rows(x), as_rows(y, for_output=True)
     (mean_v, mean_copied), (rstd_v, rstd_copied) = as_vector(mean, True), as_vector(rstd, True)
     vector = all(is_vector_friendly(t) for t in (x_rows, y_rows, w, b))
-    kernel = compile_kernel(
-        "forward", x.dtype, w.dtype, vector, 0, forward_map(x.shape[-1], x.dtype)
-    )
+    kernel = compile_kernel("forward", x.dtype, w.dtype, vector, forward_map(x.shape[-1], x.dtype))
     # TVM-FFI launches on torch's current stream (capturable by a CUDA graph after a first call).
     kernel(x_rows, w, b, y_rows, mean_v, rstd_v, 1.0 / x.shape[-1], to_float32(eps))
     for copied, result, target in ((y_copied, y_rows, y), (mean_copied, mean_v, mean),
@@ -742,10 +816,10 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (x_rows, _), (dy_rows, _) = as_rows(x), as_rows(dy)
     (dx_rows, dx_copied), mean_v, rstd_v = as_rows(dx, True), as_vector(mean)[0], as_vector(rstd)[0]
     n, (groups, rows_per_group) = x_rows.shape[1], row_groups(x_rows.shape[0])
-    row_tiles = row_tiles_of(n, x.dtype)
-    partials = partial_rows(groups, n, x.device, zeroed=not row_tiles)
+    shape = backward_map(n, x.dtype)
+    partials = partial_rows(groups, n, x.device, zeroed=not shape[0])
     vector = all(is_vector_friendly(t) for t in (x_rows, dy_rows, dx_rows, w, partials[0]))
-    kernel = compile_kernel("backward", x.dtype, w.dtype, vector, row_tiles)
+    kernel = compile_kernel("backward", x.dtype, w.dtype, vector, shape)
     kernel(x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1],
            rows_per_group, 1.0 / n)  # fmt: skip
     for out, k in sums:

@@ -1093,28 +1093,28 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 
 # The CuTe builds: the forward on forward_map's (threads a row, tiles held, whole tiles) (a
 # warp's row held, 4 warps' partial tiles, a block streaming), the backward on row_tiles.
-CUTE_BUILDS = [("forward", 0, (32, 2, True)), ("forward", 0, (128, 2, False)),
-               ("forward", 0, (256, 0, False)), ("backward", 0, None), ("backward", 1, None),
-               ("backward", 2, None)]  # fmt: skip
+CUTE_BUILDS = [("forward", (32, 2, True)), ("forward", (128, 2, False)),
+               ("forward", (256, 0, False)), ("backward", (0, False)), ("backward", (1, False)),
+               ("backward", (2, False)), ("backward", (1, True)), ("backward", (2, True))]  # fmt: skip
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
-@pytest.mark.parametrize("direction, row_tiles, forward_shape", CUTE_BUILDS, ids=str)
+@pytest.mark.parametrize("direction, shape", CUTE_BUILDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_ptx(direction, row_tiles, forward_shape, dtype):
+def test_cute_ptx(direction, shape, dtype):
     """The CuTe kernels build for sm_90a: 128-bit loads and stores on the vector path (none in
     the any-stride build), the warp shuffles of the row sums, and in the forward the
     rsqrt.approx.ftz.f32 README.md's bound counts and the barriers of its map: none for a
     warp's row, the row's own named barrier for 2-4 warps, two block barriers for a block's
     row (the shift, then both shifted sums together: was three)."""
-    vector = cute_impl.ptx_of(direction, dtype, True, row_tiles, forward_shape)
-    scalar = cute_impl.ptx_of(direction, dtype, False, row_tiles, forward_shape)
+    vector = cute_impl.ptx_of(direction, dtype, True, shape)
+    scalar = cute_impl.ptx_of(direction, dtype, False, shape)
     assert "ld.global.v4" in vector and "st.global.v4" in vector
     assert "ld.global.v4" not in scalar
     assert "shfl.sync.bfly" in vector
     if direction == "forward":
         assert "rsqrt.approx.ftz.f32" in vector
-        threads = forward_shape[0]
+        threads = shape[0]
         barriers = re.findall(r"\bbar\.sync\s+[^;]*;|\bbarrier\.sync[^;]*;", vector)
         block_wide = [bool(re.fullmatch(r"bar\.sync\s+0;", bar)) for bar in barriers]
         assert block_wide == [threads == 256] * (0 if threads == 32 else 2), barriers
@@ -1134,7 +1134,7 @@ def test_cute_forward_registers(dtype, n, tmp_path):
     thread without spills (ptxas -v on its sm_90a PTX): four blocks of 256 threads an SM, the
     occupancy README.md's tuning log counts on (the old kernel took 80: three)."""
     ptx = tmp_path / "forward.ptx"
-    ptx.write_text(cute_impl.ptx_of("forward", dtype, True, 0, cute_impl.forward_map(n, dtype)))
+    ptx.write_text(cute_impl.ptx_of("forward", dtype, True, cute_impl.forward_map(n, dtype)))
     run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
                          capture_output=True, text=True)  # fmt: skip
     if "Unsupported .version" in run.stderr:  # the H200 machine's ptxas is older than the DSL
@@ -1146,13 +1146,42 @@ def test_cute_forward_registers(dtype, n, tmp_path):
     assert "0 bytes spill stores" in report, report
 
 
+@pytest.mark.skipif(
+    cute_impl is None or shutil.which("ptxas") is None,
+    reason="needs the CuTe DSL and ptxas (CUDA toolkit) to count registers",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cute_backward_stages_rows(dtype, tmp_path):
+    """The backward's rows kernel at N = 4096 (whole tiles, vector build) stages rows by
+    cp.async and reads each from shared memory twice (for the sums, then for dx), through two
+    block barriers a row, and fits 128 registers without spills: two blocks of 256 threads
+    an SM, each with STAGES rows in flight (README.md, tuning log)."""
+    shape = cute_impl.backward_map(4096, dtype)
+    assert shape[1]  # whole tiles
+    ptx = cute_impl.ptx_of("backward", dtype, True, shape)
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    loads_per_read = 2 * 4096 * dtype.itemsize // (16 * cute_impl.THREADS_PER_BLOCK)  # x, dy
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * loads_per_read
+    assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 2
+    (tmp_path / "backward.ptx").write_text(ptx)
+    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "backward.ptx"), "-o",
+                          os.devnull], capture_output=True, text=True)  # fmt: skip
+    if "Unsupported .version" in run.stderr:  # the H200 machine's ptxas is older than the DSL
+        pytest.skip(f"this ptxas cannot read the CuTe DSL's PTX: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    registers = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+    assert registers <= 65536 // (2 * cute_impl.THREADS_PER_BLOCK), run.stderr
+    assert "0 bytes spill stores" in run.stderr, run.stderr
+
+
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
 def test_cute_mixed_precision_and_sum_build():
     """float32 weight over bfloat16 x builds both ways (two 128-bit weight loads per 16-byte
     run of x), and so does the partial-sum kernel of each dtype."""
     forward_shape = cute_impl.forward_map(4096, torch.bfloat16)
-    assert cute_impl.build("forward", torch.bfloat16, torch.float32, True, 0, forward_shape)
-    assert cute_impl.build("backward", torch.bfloat16, torch.float32, True) is not None
+    assert cute_impl.build("forward", torch.bfloat16, torch.float32, True, forward_shape)
+    backward_shape = cute_impl.backward_map(4096, torch.bfloat16)  # staged
+    assert cute_impl.build("backward", torch.bfloat16, torch.float32, True, backward_shape)
     for dtype in DTYPES:
         assert cute_impl.compile_sum(dtype) is not None
 
@@ -1214,11 +1243,11 @@ def test_cute_backward_entry_takes_the_partials(m, n):
     4 N, once raised 'Misaligned Tensor data' on the H200); so does the sum over the groups."""
     x, dy, dx, w = torch.randn(m, n), torch.randn(m, n), torch.empty(m, n), torch.randn(n)
     groups, rows_per_group = cute_impl.row_groups(m)
-    row_tiles = cute_impl.row_tiles_of(n, torch.float32)  # the rows kernel: 1 or 3 tiles
-    partials = cute_impl.partial_rows(groups, n, x.device, zeroed=not row_tiles)
+    shape = cute_impl.backward_map(n, torch.float32)  # the rows kernel: 1 or 3 tiles
+    partials = cute_impl.partial_rows(groups, n, x.device, zeroed=not shape[0])
     vector = all(cute_impl.is_vector_friendly(t) for t in (x, dy, dx, w, partials[0]))
     assert vector == (m == 1)
-    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector, row_tiles)
+    kernel = cute_impl.compile_kernel("backward", torch.float32, torch.float32, vector, shape)
     operands = (x, w, torch.zeros(m), torch.ones(m), dy, dx, partials[0], partials[1])
     with pytest.raises(RuntimeError, match="Cuda Runtime Error"):
         kernel(*map(cuda_labelled, operands), rows_per_group, 1.0 / n)
