@@ -1095,7 +1095,8 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 # warp's row held, 4 warps' partial tiles, a block streaming), the backward on row_tiles.
 CUTE_BUILDS = [("forward", (32, 2, True)), ("forward", (128, 2, False)),
                ("forward", (256, 0, False)), ("backward", (0, False)), ("backward", (1, False)),
-               ("backward", (2, False)), ("backward", (1, True)), ("backward", (2, True))]  # fmt: skip
+               ("backward", (2, False)), ("backward", (1, True)),
+               ("backward", (2, True))]  # fmt: skip
 
 
 @pytest.mark.skipif(cute_impl is None, reason="the CuTe DSL is not installed")
