@@ -1092,7 +1092,8 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 
 
 # The CuTe builds: the forward on forward_map's (threads a row, tiles held, whole tiles) (a
-# warp's row held, 4 warps' partial tiles, a block streaming), the backward on row_tiles.
+# warp's row held, 4 warps' partial tiles, a block streaming), the backward on backward_map's
+# (tiles held, whole tiles) (streamed; held with a partial tile; held and staged).
 CUTE_BUILDS = [("forward", (32, 2, True)), ("forward", (128, 2, False)),
                ("forward", (256, 0, False)), ("backward", (0, False)), ("backward", (1, False)),
                ("backward", (2, False)), ("backward", (1, True)),
