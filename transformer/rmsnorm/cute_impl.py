@@ -61,6 +61,12 @@ ROW_REGISTERS_MAX = 32
 # Rows the backward's staged build keeps flying into shared memory ahead of the one it works on:
 # 32 KB of shared memory a block at bf16 N = 4096 (README.md, tuning log).
 STAGES = 2
+# The staged rows kernel at one 16-bit tile (bf16 N = 4096, no residual) asks ptxas for four
+# blocks an SM (64 registers a thread, no spills): 512 groups then run as one wave of 528 slots,
+# where the 68 registers ptxas picks alone fit three (396 slots: 1.3 waves, the second a
+# quarter full).
+# Measured on the H200: backward 74.0 -> 84.4% of copy (README.md, tuning log).
+STAGED_ONE_TILE_BLOCKS_PER_SM = 4
 
 TORCH_TO_CUTLASS = {
     torch.float32: cutlass.Float32,
@@ -539,6 +545,14 @@ def stage_copy_of(dtype, run):
     return cute.make_tiled_copy_tv(atom, cute.make_layout(THREADS_PER_BLOCK), cute.make_layout(run))
 
 
+def rows_kernel_blocks_per_sm(x_width, row_tiles, staged, fused):
+    """The rows kernel's .minnctapersm: STAGED_ONE_TILE_BLOCKS_PER_SM for a staged 16-bit row of
+    one tile without the residual, else 0, ptxas's choice (under a limit of four, the fused
+    build spills 8-16 bytes, and two 16-bit tiles or float32 rows spill more)."""
+    one_tile = staged and x_width == 16 and row_tiles == 1 and not fused
+    return STAGED_ONE_TILE_BLOCKS_PER_SM if one_tile else 0
+
+
 @cute.jit
 def launch_backward(
     x: cute.Tensor, w: cute.Tensor, rstd: cute.Tensor, dy: cute.Tensor, dres: cute.Tensor,
@@ -562,10 +576,14 @@ def launch_backward(
         stage_copy = stage_copy_of(x.element_type, run) if cutlass.const_expr(staging) else None
         row_bytes = row_tiles * tile_elems * x.element_type.width // 8
         staged_bytes = STAGES * 2 * row_bytes if staging else 0  # x and dy
+        # .minnctapersm (0: ptxas's choice); carveout -1 is the driver's default, said so that
+        # compiling does not ask a device for its shared memory.
+        blocks_per_sm = rows_kernel_blocks_per_sm(x.element_type.width, row_tiles, staging, fused)
         rmsnorm_backward_rows_kernel(
             x, w, rstd, dy, dres, dx, partials, m, n, rows_per_group, copies, f32_copies,
             stage_copy, tile_elems, per_thread, row_tiles, whole_tiles, fused,
-        ).launch(grid=[groups, 1, 1], block=block, smem=staged_bytes, stream=stream)  # fmt: skip
+        ).launch(grid=[groups, 1, 1], block=block, smem=staged_bytes, stream=stream,
+                 min_blocks_per_mp=blocks_per_sm, preferred_smem_carveout=-1)  # fmt: skip
     else:
         row_dots_kernel(
             x, w, rstd, dy, mean_dots, n, copies, w_copies, tile_elems, per_thread
