@@ -877,6 +877,9 @@ def test_triton_dispatch():
     assert triton_impl.rows_launch(1000, 1, forward)[:2] == (1024, 1)
     assert triton_impl.rows_launch(3, 100, forward)[0] == 4  # never more rows than m needs
     assert triton_impl.rows_launch(8, 32768, forward) == (1, 32768, 32)
+    elems = triton_impl.FORWARD_ELEMS_PER_THREAD  # the forward's warps: 32 elements a thread
+    warps = [triton_impl.rows_launch(8, n, forward, elems)[2] for n in (1024, 4096, 8192)]
+    assert warps == [4, 4, 8]
     assert triton_impl.rows_launch(8, 32769, forward) is None
     assert triton_impl.rows_launch(8, 8192, backward) == (1, 8192, 16)
     assert triton_impl.rows_launch(8, 8193, backward) is None

@@ -57,6 +57,12 @@ CHUNK_WARPS = 8
 # per operand.
 PROGRAM_ELEMS_MIN = 2048
 ELEMS_PER_THREAD = 16
+# The forward holds a row on half as many warps, 32 elements a thread (ptxas, bf16: 4 warps at
+# N = 4096 and 8 at 8192 take 128 registers, no spills): rows in flight an SM are set by
+# registers, and the same 64K registers then hold twice the programs (4 of 4 warps at 4096, 2
+# of 8 at 8192), where 16 elements a thread left 2 and 1 (106 and 95 registers on twice the
+# warps) and the SM short of reads in flight (README.md, tuning log).
+FORWARD_ELEMS_PER_THREAD = 32
 # The backward's row groups: enough programs to fill the H200's 132 SMs several times, few
 # enough that the partial rows (PARTIALS_MAX x N float32) cost little. A constant, not the
 # device's SM count, so the summation tree depends on the shape alone.
@@ -397,15 +403,15 @@ def launch(kernel, grid, args, constants, specialised):
     )  # fmt: skip
 
 
-def rows_launch(m, n, block_max):
+def rows_launch(m, n, block_max, elems_per_thread=ELEMS_PER_THREAD):
     """(rows per program or step, BLOCK_N, num_warps) of a rows kernel, None past block_max:
     BLOCK_N is n's next power of two, ROWS packs short rows (never more than m needs) so a
-    program has PROGRAM_ELEMS_MIN elements, and ELEMS_PER_THREAD sets the warps."""
+    program has PROGRAM_ELEMS_MIN elements, and elems_per_thread sets the warps."""
     block_n = 1 << (n - 1).bit_length()
     if block_n > block_max:
         return None
     rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
-    num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
+    num_warps = min(max(rows * block_n // (32 * elems_per_thread), 4), 32)
     return rows, block_n, num_warps
 
 
@@ -477,7 +483,7 @@ def layernorm_forward(x, weight, bias, eps, y, mean, rstd):
     (m, n), w, b = x_rows.shape, parameter_vector(weight, x), parameter_vector(bias, x)
     strides = (*x_rows.stride(), *y_rows.stride(), mean_v.stride(0), rstd_v.stride(0))
     tensors = (x_rows, w, b, y_rows, mean_v, rstd_v)
-    tile = rows_launch(m, n, ROW_BLOCK_MAX)
+    tile = rows_launch(m, n, ROW_BLOCK_MAX, FORWARD_ELEMS_PER_THREAD)
     if tile is not None:
         rows, block_n, num_warps = tile
         kernel, grid, sizes = layernorm_forward_rows_kernel, (-(-m // rows),), (m, n)
