@@ -76,7 +76,8 @@ def test_triton_tma_split_near_2_to_31():
     m, n = 8, 2**31 - 64
     A = torch.ones(n, m, dtype=torch.bfloat16, device=DEVICE).T
     x = torch.zeros(n, dtype=torch.bfloat16, device=DEVICE)
-    x[torch.linspace(0, n - 1, 64, device=DEVICE).long()] = 1.0
+    # float64: a float32 linspace rounds n - 1 = 2**31 - 65 to 2**31 - 128 (spacing 128 there)
+    x[torch.linspace(0, n - 1, 64, dtype=torch.float64, device=DEVICE).long()] = 1.0
     y = torch.randn(m, device=DEVICE).to(torch.bfloat16)
     assert triton_impl.tma_reads(A) and triton_impl.column_split(A)[0] == 64
     a32, b32 = reference.to_float32(ALPHA), reference.to_float32(BETA)
