@@ -57,11 +57,10 @@ CHUNK_WARPS = 8
 # per operand.
 PROGRAM_ELEMS_MIN = 2048
 ELEMS_PER_THREAD = 16
-# The forward holds a row on half as many warps, 32 elements a thread (ptxas, bf16: 4 warps at
-# N = 4096 and 8 at 8192 take 128 registers, no spills): rows in flight an SM are set by
-# registers, and the same 64K registers then hold twice the programs (4 of 4 warps at 4096, 2
-# of 8 at 8192), where 16 elements a thread left 2 and 1 (106 and 95 registers on twice the
-# warps) and the SM short of reads in flight (README.md, tuning log).
+# The forward holds a row on half as many warps, 32 elements a thread: each thread keeps four
+# 16-byte loads in flight, not two, a row costs fewer barriers, and at N = 8192 three programs
+# fit an SM's registers, not two (ptxas, bf16: 69 and 73 registers on 4 and 8 warps at 4096
+# and 8192, where 16 elements took 40 and 51 on twice the warps; README.md, tuning log).
 FORWARD_ELEMS_PER_THREAD = 32
 # The backward's row groups: enough programs to fill the H200's 132 SMs several times, few
 # enough that the partial rows (PARTIALS_MAX x N float32) cost little. A constant, not the
