@@ -43,6 +43,9 @@ VECTOR_BYTES = 16  # the widest load a thread can issue: 128 bits
 # flight, past the H200's bandwidth-latency product per SM (~20 kB).
 ELEMS_PER_THREAD = 16
 TILE_ELEMS = THREADS_PER_BLOCK * ELEMS_PER_THREAD  # 4096, Triton's CHUNK
+# The kernels count a row's classes and tiles in Int32 (n + TILE_ELEMS - 1 and (tile + 1) *
+# TILE_ELEMS included): longer rows would wrap them (silently wrong), so they are refused.
+ROW_CLASSES_MAX = 2**31 - TILE_ELEMS
 LOG2E = 1.4426950408889634  # exp(v) = exp2(v log2 e); rounded to float32 when traced
 LN2 = 0.6931471805599453  # log(S) = log2(S) ln 2
 
@@ -453,8 +456,18 @@ def on_cuda(t):
         raise ValueError(f"the operands are on {t.device}; the CuTe kernel needs CUDA tensors")
 
 
+def refuse_long_rows(logits):
+    """Rows of more than ROW_CLASSES_MAX classes: refused before any launch."""
+    if logits.shape[1] > ROW_CLASSES_MAX:
+        raise ValueError(
+            f"logits has rows of {logits.shape[1]} classes; the CuTe kernels take at most "
+            f"{ROW_CLASSES_MAX} (2**31 - {TILE_ELEMS}: their indices are 32-bit)"
+        )
+
+
 def cross_entropy_forward(logits, target, ignore_index, label_smoothing, loss, lse):
     check_forward(logits, target, ignore_index, label_smoothing, loss, lse)
+    refuse_long_rows(logits)
     on_cuda(logits)
     m, n = logits.shape
     if m == 0:
@@ -469,6 +482,7 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, loss, l
 
 def cross_entropy_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dlogits):
     check_backward(logits, target, lse, dloss, ignore_index, label_smoothing, dlogits)
+    refuse_long_rows(logits)
     on_cuda(logits)
     m, n = logits.shape
     if m == 0:

@@ -942,6 +942,25 @@ def test_cute_refuses_cpu_tensors():
         cute_impl.reduce_loss(loss, target, -100, "mean")
 
 
+@pytest.mark.skipif(CUTE_MISSING, reason="the CuTe DSL is not installed")
+def test_cute_refuses_rows_past_its_32_bit_indices(monkeypatch):
+    """A row of ROW_CLASSES_MAX + 1 classes (a stride-0 view: no memory) is refused before any
+    launch, outputs untouched; ROW_CLASSES_MAX classes pass that check (and meet the next one
+    on the CPU). The backward, whose dlogits cannot be a view, with the limit lowered to 6."""
+    limit = cute_impl.ROW_CLASSES_MAX
+    for n, words in ((limit + 1, f"at most {limit}"), (limit, "needs CUDA tensors")):
+        x, target = torch.zeros(1, 1).expand(1, n), torch.tensor([n - 1])
+        loss, lse = torch.full((1,), 5.0), torch.full((1,), 5.0)
+        with pytest.raises(ValueError, match=words):
+            cute_impl.cross_entropy_forward(x, target, -100, 0.0, loss, lse)
+        assert (loss == 5).all() and (lse == 5).all()
+    monkeypatch.setattr(cute_impl, "ROW_CLASSES_MAX", 6)
+    x, target, dx = torch.randn(2, 7), torch.tensor([0, 6]), torch.full((2, 7), 5.0)
+    with pytest.raises(ValueError, match="rows of 7 classes; the CuTe kernels take at most 6"):
+        cute_impl.cross_entropy_backward(x, target, torch.zeros(2), torch.ones(2), -100, 0.0, dx)
+    assert (dx == 5).all()
+
+
 def cuda_labelled(t):
     """t, a CPU tensor, as a TVM-FFI tensor whose DLPack header says CUDA device 0: a compiled
     CuTe entry checks it (dtype, shape, strides, alignment) as it checks a GPU operand, and
