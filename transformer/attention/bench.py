@@ -8,6 +8,10 @@
     python bench.py --headline that shape causal and not, with the per-call rows; files
     python bench.py --tiles    the Triton forward at that shape under each of TILE_SWEEP's
                                tiles, causal and not (for FORWARD_TILES); no files
+    python bench.py --backward-tiles   the Triton backward alone at that shape (D = 64 and 128)
+                               under each of BACKWARD_SWEEP's dK/dV tiles (dQ's as chosen),
+                               then each dQ tile (dK/dV's as chosen), causal and not (for
+                               BACKWARD_TILES); no files
 
 Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
 are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
@@ -48,6 +52,14 @@ TINY, CALLS = (1, 16, 2, 2, 64), 1000
 # tutorial-style neighbourhood of FORWARD_TILES's entry.
 TILE_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3),
               (128, 64, 8, 4), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]  # fmt: skip
+# Tiles tried by --backward-tiles, as TILE_SWEEP's entries: the dK/dV kernel's (a key tile's dK
+# and dV, K and V held in registers) and the dQ kernel's.
+BACKWARD_SWEEP = {
+    "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (16, 128, 8, 4), (64, 128, 8, 2),
+             (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
+           (64, 64, 8, 2), (64, 128, 4, 3)],
+}  # fmt: skip
 MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
 
 
@@ -222,6 +234,44 @@ def tile_sweep():
     triton_impl.FORWARD_PLANS.clear()
 
 
+def backward_tile_sweep():
+    """TFLOP/s of the Triton backward alone (2.5 times the forward's flops) at HEADLINE with
+    D = 64 and 128, under each BACKWARD_SWEEP tile of one kernel, the other as chosen."""
+    batch, seq, heads, heads_kv, _ = HEADLINE
+    for head_dim, causal in [(d, c) for d in (128, 64) for c in (False, True)]:
+        q, k, v, do = (torch.randn(batch, seq, h, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for h in (heads, heads_kv, heads_kv, heads))  # fmt: skip
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=causal
+                                       ).backward(do.transpose(1, 2))  # fmt: skip
+        expected = [leaf.grad.float() for leaf in leaves]
+        o, lse = torch.empty_like(q), torch.empty(batch, heads, seq, device="cuda")
+        triton_impl.attention_forward(q, k, v, causal, None, o, lse)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        flops = 2.5 * 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+        key = (2, head_dim)
+        chosen = triton_impl.BACKWARD_TILES[key]
+        for which, tiles in BACKWARD_SWEEP.items():
+            for tile in tiles:
+                entry = (tile, chosen[1]) if which == "dkdv" else (chosen[0], tile)
+                triton_impl.BACKWARD_TILES[key] = entry
+                backward = functools.partial(triton_impl.attention_backward, q, k, v, o, lse, do,
+                                             causal, None, *grads)  # fmt: skip
+                try:
+                    backward()
+                    error = max((g.float() - e).abs().max().item()
+                                for g, e in zip(grads, expected, strict=True))  # fmt: skip
+                    ms, _ = graph_ms(backward)
+                except Exception as failure:  # a tile past shared memory or registers
+                    print(f"D={head_dim} causal={causal} {which} {tile}: {type(failure).__name__}")
+                    continue
+                mark = "  (BACKWARD_TILES)" if entry == chosen else ""
+                rate = flops / ms / 1e9
+                print(f"D={head_dim} causal={causal!s:5s} {which:4s} {tile} {ms * 1e3:8.1f} us "
+                      f"{rate:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
+        triton_impl.BACKWARD_TILES[key] = chosen
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -270,5 +320,7 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv or os.environ.get("BENCH_QUICK") == "1"
     if "--tiles" in sys.argv:
         tile_sweep()
+    elif "--backward-tiles" in sys.argv:
+        backward_tile_sweep()
     else:
         main(quick=quick, headline="--headline" in sys.argv)

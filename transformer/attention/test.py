@@ -305,7 +305,8 @@ def test_repeatability(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_special_values(impl):
     """Scores of 1e4 do not overflow (float32 within the bound); a NaN in one key reaches every
-    row that sees it and only those; a query that sees no key has O = 0 and lse = -inf."""
+    row that sees it and only those; a query that sees no key has O = 0 and lse = -inf; scores
+    all near -120 give finite gradients."""
     q, k, v, do = operands(1, 6, 6, 2, 2, 16, torch.bfloat16)
     check_forward(impl, q * 25, k * 25, v, False)  # |scores| up to about 1e4 / sqrt(16)
     k_nan = k.clone()
@@ -316,6 +317,12 @@ def test_special_values(impl):
     )
     o, lse = check_forward(impl, q, k[:, :2], v[:, :2], True)  # S_q = 6 > S_k = 2
     assert (o[0, :4] == 0).all() and (lse[0, :, :4] == -math.inf).all()
+    # Every score near -120 (lse too): exp(-lse) overflows float32, so a key past S_k (23 is
+    # no multiple of any tile) that the copy engine fills with zeros must be masked, not used.
+    k_near = (1 + 0.01 * k.new_empty(1, 23, 2, 16).normal_()).to(torch.bfloat16)
+    q_far = torch.full_like(q, -30.0)  # scores -30 * 16 / sqrt(16) = -120
+    grads = check_backward(impl, q_far, k_near, v[:, :1].expand(1, 23, 2, 16), do, False)
+    assert all(g.isfinite().all() for g in grads)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -430,16 +437,17 @@ SPLIT_LENGTHS = [(32, 32), (48, 32), (32, 48), (33, 47), (47, 33), (16, 64), (5,
 @pytest.mark.parametrize("lengths", SPLIT_LENGTHS, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_unmasked_and_masked_key_loops(path, lengths, causal):
-    """The forward's key loop in two parts, whole tiles without a mask and the tail/diagonal
-    with one, at lengths that are and are not multiples of the tile, through tensor
-    descriptors (D = 16, bf16: every stride a multiple of 16 bytes) and through pointers (D = 20,
-    fp16: a 40-byte head stride no descriptor can take)."""
+    """The loops in two parts, whole tiles without a mask and the tail/diagonal with one (the
+    forward's and dQ's over keys, dK/dV's over queries, whose tiles differ here), at lengths
+    that are and are not multiples of the tiles, through tensor descriptors (D = 16, bf16: every
+    stride a multiple of 16 bytes) and through pointers (D = 20, fp16: a 40-byte head stride no
+    descriptor can take), forward and backward."""
     dtype, head_dim = (torch.bfloat16, 16) if path == "tma" else (torch.float16, 20)
-    q, k, v, _ = operands(1, *lengths, 2, 1, head_dim, dtype)
+    q, k, v, do = operands(1, *lengths, 2, 1, head_dim, dtype)
     o, lse = torch.empty_like(q), torch.empty(1, 2, lengths[0], device=DEVICE)
     plan = triton_impl.forward_plan(q, k, v, o, lse, causal, 1 / math.sqrt(head_dim))
     assert plan.config["TMA"] == (path == "tma" and triton_impl.has_tma(q.device))
-    check_forward("triton", q, k, v, causal, o=o, lse=lse)
+    check_backward("triton", q, k, v, do, causal)
 
 
 def test_triton_cached_plan_still_validates():
@@ -563,9 +571,11 @@ def test_model_sizes_against_float64(impl, head_dim, causal):
 @pytest.mark.skipif(not ON_GPU, reason="model sizes need a GPU (the interpreter is too slow)")
 @pytest.mark.parametrize("head_dim", [80, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_model_sizes_head_dims_80_and_256(head_dim, causal):
-    """The GPU tiles at D = 80 (padded to 128) and D = 256 (FORWARD_TILES's own entry), bf16."""
-    q, k, v, do = operands(1, 1031, 1024, 4, 2, head_dim, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_model_sizes_head_dims_80_and_256(head_dim, causal, dtype):
+    """The GPU tiles at D = 80 (padded to 128) and D = 256 (the tables' own entries), bf16 and
+    float32 (whose tiles must fit shared memory at D = 256)."""
+    q, k, v, do = operands(1, 1031, 1024, 4, 2, head_dim, dtype)
     check_backward("triton", q, k, v, do, causal)
 
 
@@ -582,15 +592,16 @@ def misaligned(t):
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_unmasked_and_masked_key_loops(path, lengths, causal):
-    """The key loop's split at the GPU tile: lengths that are multiples of 128 and not, the
-    causal diagonal shifted both ways, through descriptors and (misaligned copies) pointers."""
-    q, k, v, _ = operands(1, *lengths, 4, 2, 128, torch.bfloat16)
+    """The loops' split at the GPU tiles (forward 128 x 128; backward 32 x 128 and 128 x 64):
+    lengths that are multiples of 128 and not, the causal diagonal shifted both ways, through
+    descriptors and (misaligned copies) pointers, forward and backward."""
+    q, k, v, do = operands(1, *lengths, 4, 2, 128, torch.bfloat16)
     if path == "pointers":
-        q, k, v = (misaligned(t) for t in (q, k, v))
+        q, k, v, do = (misaligned(t) for t in (q, k, v, do))
     o, lse = torch.empty_like(q), torch.empty(1, 4, lengths[0], device=DEVICE)
     plan = triton_impl.forward_plan(q, k, v, o, lse, causal, 1 / math.sqrt(128))
     assert plan.config["TMA"] == (path == "tma")
-    check_forward("triton", q, k, v, causal, o=o, lse=lse)
+    check_backward("triton", q, k, v, do, causal)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the direct launch reuses a compiled GPU kernel")

@@ -9,9 +9,9 @@ where the operands allow it (`describable`), through masked pointer loads otherw
 and, after a shape's first call, launches the compiled kernel directly.
 
 The backward recomputes P from the saved lse and never adds into memory shared between
-programs, so the same inputs give the same bits: `attention_delta_kernel` (D_i),
-`attention_dkdv_kernel` (per key block, the group's query heads in order), `attention_dq_kernel`
-(per query block). README.md's "Triton" section maps them, its bound counts the roundings and
+programs, so the same inputs give the same bits: `attention_dq_kernel` (per query block; it
+also stores D_i), then `attention_dkdv_kernel` (per key block, the group's query heads in
+order, transposed). README.md's "Triton" section maps them, its bound counts the roundings and
 its tuning log holds the predictions behind the tiles.
 """
 
@@ -53,9 +53,23 @@ FORWARD_TILES = {
 # of the earlier cp.async forward: the 3-stage 128 x 128 tile's pointer loads would take 224 KB
 # of shared memory at D = 128, past what GPUs before Hopper have.
 POINTER_TILE = (128, 64, 8, 2)
-BACKWARD_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # interpreter
-DELTA_ROWS = 64
+# Backward tiles, keyed as FORWARD_TILES, as (dK/dV kernel, dQ kernel), each (BLOCK_M queries,
+# BLOCK_N keys, num_warps, num_stages). The dK/dV kernel holds a key tile's float32 dK and dV
+# (BLOCK_N x BLOCK_D each) and, as left operands of its transposed products, K and V in
+# registers: at D = 128, 128 keys on 8 warps take 128 + 64 registers a thread before the
+# scores, so the query tile shrinks to 32 (at 64 it spills); the dQ kernel holds one query
+# tile's dQ, Q and dO. D = 256 and float32 (no tensor cores) are correct, not fast: their tiles
+# are the largest that fit shared memory with the fewest spills. README.md's tuning log has the
+# ptxas counts and the sweep behind each entry.
+BACKWARD_TILES = {
+    (2, 64): ((32, 128, 8, 3), (128, 64, 8, 2)), (2, 128): ((32, 128, 8, 3), (128, 64, 8, 2)),
+    (2, 256): ((16, 64, 8, 2), (64, 32, 8, 2)), (4, 64): ((16, 32, 4, 1), (32, 16, 4, 1)),
+    (4, 128): ((16, 32, 4, 1), (32, 16, 4, 1)), (4, 256): ((16, 32, 4, 1), (32, 16, 4, 1)),
+}  # fmt: skip
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+# Under the interpreter: small tiles, the backward's two unequal (both kernels' tails tested).
+SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+SMALL_BACKWARD_TILES = ({**SMALL_TILE, "BLOCK_N": 32}, {**SMALL_TILE, "BLOCK_M": 32})
 
 
 @triton.jit
@@ -181,19 +195,32 @@ def attention_forward_kernel(
 
 
 @triton.jit
-def attention_delta_kernel(
-    o_ptr, do_ptr, delta_ptr, s_q, heads, stride_ob, stride_os, stride_oh, stride_db,
-    stride_ds, stride_dh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    """delta[bh, i] = sum_d dO_id O_id in float32, for ROWS query rows of one batch and head."""
-    block, bh = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // heads).to(tl.int64), bh % heads
-    rows = block * ROWS + tl.arange(0, ROWS)
-    o = load_block(o_ptr + b * stride_ob + h * stride_oh, rows, stride_os, s_q, HEAD_DIM,
-                   BLOCK_D, True)  # fmt: skip
-    do = load_block(do_ptr + b * stride_db + h * stride_dh, rows, stride_ds, s_q, HEAD_DIM,
-                    BLOCK_D, True)  # fmt: skip
-    tl.store(delta_ptr + bh.to(tl.int64) * s_q + rows, tl.sum(o * do, axis=1), mask=rows < s_q)
+def dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q, s_k,
+              stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db, stride_ds,
+              stride_dh, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """One query tile into a key tile's (dK, dV), transposed: keys are the rows, so P^T and
+    dS^T come out of the tensor cores in the accumulator layout that the next products take
+    as their left operand straight from registers (no transpose through shared memory).
+    Query rows past S_q read q = dO = 0 and lse = delta = 0, so they add exactly 0; keys past
+    S_k only touch rows of dK and dV that are never stored: only MASKED tiles (the causal
+    diagonal) build a mask."""
+    rows = start + tl.arange(0, BLOCK_M)
+    q = load_tile(q_src, b, h, start, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM, BLOCK_D,
+                  BLOCK_M, UPCAST, TMA)  # fmt: skip
+    do = load_tile(do_src, b, h, start, s_q, stride_db, stride_ds, stride_dh, HEAD_DIM, BLOCK_D,
+                   BLOCK_M, UPCAST, TMA)  # fmt: skip
+    lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + deltas + rows, mask=rows < s_q, other=0.0)
+    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale  # log2 units
+    p_t = tl.exp2(scores_t - lse[None, :])
+    if MASKED:  # key j is seen by row i when j <= i + S_k - S_q
+        p_t = tl.where(cols[:, None] <= rows[None, :] + (s_k - s_q), p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision="ieee")
+    dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision="ieee")
+    return dk, dv
 
 
 @triton.jit
@@ -208,35 +235,35 @@ def attention_dkdv_kernel(
     block_n, bg = tl.program_id(0), tl.program_id(1)
     heads_kv = heads // group
     b, g = (bg // heads_kv).to(tl.int64), (bg % heads_kv).to(tl.int64)
-    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_tile(k_src, b, g, block_n * BLOCK_N, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM,
+    first_key = block_n * BLOCK_N
+    cols = first_key + tl.arange(0, BLOCK_N)
+    k = load_tile(k_src, b, g, first_key, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM,
                   BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
-    v = load_tile(v_src, b, g, block_n * BLOCK_N, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM,
+    v = load_tile(v_src, b, g, first_key, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM,
                   BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first = 0
-    if CAUSAL:  # queries before the block's first key's diagonal see none of its keys
-        first = tl.maximum(block_n * BLOCK_N - (s_k - s_q), 0) // BLOCK_M * BLOCK_M
+    # Query tiles [first, full) hold the causal diagonal of this key tile (masked); from full
+    # on every row sees every key of the tile. Row i sees key j when j <= i + S_k - S_q.
+    first, full = 0, 0
+    if CAUSAL:
+        first = tl.maximum(first_key - (s_k - s_q), 0) // BLOCK_M * BLOCK_M
+        last_key_row = first_key + BLOCK_N - 1 - (s_k - s_q)  # the first row seeing all keys
+        full = tl.minimum(tl.maximum(tl.cdiv(last_key_row, BLOCK_M) * BLOCK_M, first), s_q)
     for h in range(g * group, g * group + group):  # the group's query heads, in order
-        stats = b * stride_lb + h * stride_lh
-        for start in range(first, s_q, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q = load_tile(q_src, b, h, start, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
-                          BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
-            do = load_tile(do_src, b, h, start, s_q, stride_db, stride_ds, stride_dh, HEAD_DIM,
-                           BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
-            lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_ptr + (b * heads + h) * s_q + rows, mask=rows < s_q, other=0.0)
-            scores = (
-                tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            )  # [BLOCK_M, BLOCK_N], log2 units
-            seen = visible_keys(rows, cols, s_q, s_k, CAUSAL) & (rows[:, None] < s_q)
-            p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+        stats, deltas = b * stride_lb + h * stride_lh, (b * heads + h) * s_q
+        for start in range(first, full, BLOCK_M):
+            dk, dv = dkdv_step(
+                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q, s_k,
+                stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db, stride_ds,
+                stride_dh, True, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA,
+            )  # fmt: skip
+        for start in range(full, s_q, BLOCK_M):
+            dk, dv = dkdv_step(
+                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q, s_k,
+                stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db, stride_ds,
+                stride_dh, False, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA,
+            )  # fmt: skip
     mask = (cols[:, None] < s_k) & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + g * stride_dkh + cols[:, None] * stride_dks + offs_d
@@ -246,39 +273,69 @@ def attention_dkdv_kernel(
 
 
 @triton.jit
+def dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+            TMA: tl.constexpr):  # fmt: skip
+    """One key tile into a query tile's dQ. Only MASKED tiles (the tail past S_k, where a
+    zero-filled key would give P = 2^-lse, and the causal diagonal) build the mask."""
+    k = load_tile(k_src, b, g, start, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_D,
+                  BLOCK_N, UPCAST, TMA)  # fmt: skip
+    v = load_tile(v_src, b, g, start, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_D,
+                  BLOCK_N, UPCAST, TMA)  # fmt: skip
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    p = tl.exp2(scores - lse[:, None])
+    if MASKED:
+        p = tl.where(visible_keys(rows, start + tl.arange(0, BLOCK_N), s_q, s_k, CAUSAL), p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+
+
+@triton.jit
 def attention_dq_kernel(
-    q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group, qk_scale,
-    scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-    stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_lb, stride_lh, stride_dqb,
-    stride_dqs, stride_dqh, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    q_src, k_src, v_src, do_src, o_ptr, lse_ptr, delta_ptr, dq_ptr, s_q, s_k, heads, group,
+    qk_scale, scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh, stride_ob, stride_os,
+    stride_oh, stride_lb, stride_lh, stride_dqb, stride_dqs, stride_dqh, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    """dQ of one query tile, and first its rows' D_i = sum_d dO_id O_id (float32), stored for
+    the dK/dV kernel that runs after it."""
     block_m, bh = tl.program_id(0), tl.program_id(1)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        block_m = tl.num_programs(0) - 1 - block_m
     b, h = (bh // heads).to(tl.int64), bh % heads
     g = (h // group).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_tile(q_src, b, h, block_m * BLOCK_M, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
+    first_row = block_m * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    q = load_tile(q_src, b, h, first_row, s_q, stride_qb, stride_qs, stride_qh, HEAD_DIM,
                   BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
-    do = load_tile(do_src, b, h, block_m * BLOCK_M, s_q, stride_db, stride_ds, stride_dh,
-                   HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
+    do = load_tile(do_src, b, h, first_row, s_q, stride_db, stride_ds, stride_dh, HEAD_DIM,
+                   BLOCK_D, BLOCK_M, UPCAST, TMA)  # fmt: skip
     stats = b * stride_lb + h * stride_lh
     lse = tl.load(lse_ptr + stats + rows, mask=rows < s_q, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + rows, mask=rows < s_q, other=0.0)
+    o = load_block(o_ptr + b * stride_ob + h * stride_oh, rows, stride_os, s_q, HEAD_DIM, BLOCK_D,
+                   True)  # fmt: skip
+    delta = tl.sum(o * do.to(tl.float32), axis=1)  # rows past S_q: 0
+    tl.store(delta_ptr + bh.to(tl.int64) * s_q + rows, delta, mask=rows < s_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # The forward's split: whole key tiles left of the first row's diagonal, then the rest.
+    full_end = s_k // BLOCK_N * BLOCK_N
     end = s_k
     if CAUSAL:
-        end = tl.minimum(s_k, tl.maximum((block_m + 1) * BLOCK_M + s_k - s_q, 0))
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = load_tile(k_src, b, g, start, s_k, stride_kb, stride_ks, stride_kh, HEAD_DIM, BLOCK_D,
-                      BLOCK_N, UPCAST, TMA)  # fmt: skip
-        v = load_tile(v_src, b, g, start, s_k, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_D,
-                      BLOCK_N, UPCAST, TMA)  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        seen = visible_keys(rows, cols, s_q, s_k, CAUSAL)
-        p = tl.where(seen, tl.exp2(scores - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        diagonal = first_row + s_k - s_q
+        full_end = tl.minimum(full_end, tl.maximum(diagonal + 1, 0) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(s_k, tl.maximum(diagonal + BLOCK_M, 0))
+    for start in range(0, full_end, BLOCK_N):
+        dq = dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, False,
+                     CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
+    for start in range(full_end, end, BLOCK_N):
+        dq = dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, True,
+                     CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + cols[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
@@ -336,12 +393,12 @@ def padded_head_dim(head_dim):
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def constants(q, tile):
-    """The launch's compile-time choices: the tile (a small one under the interpreter), the head
+def constants(q, tile, small_tile=SMALL_TILE):
+    """The launch's compile-time choices: the tile (small_tile under the interpreter), the head
     dimension padded to a power of two, the interpreter's upcast of 16-bit values, and IEEE
     float32 for float32 data (no TF32)."""
     head_dim = q.shape[3]
-    tile = SMALL_TILE if INTERPRETED else tile
+    tile = small_tile if INTERPRETED else tile
     return {**tile, "HEAD_DIM": head_dim, "BLOCK_D": padded_head_dim(head_dim),
             "UPCAST": INTERPRETED and q.dtype != torch.float32}  # fmt: skip
 
@@ -355,6 +412,13 @@ def forward_tile(dtype, head_dim, tma=True):
         else FORWARD_TILES[(width, max(64, padded_head_dim(head_dim)))]
     )  # fmt: skip
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def backward_tiles(dtype, head_dim):
+    """BACKWARD_TILES's entry for this dtype's width and D: the (dK/dV, dQ) kernels' tiles."""
+    width = 4 if dtype == torch.float32 else 2
+    entry = BACKWARD_TILES[(width, max(64, padded_head_dim(head_dim)))]
+    return tuple(dict(zip(TILE_KEYS, tile, strict=True)) for tile in entry)
 
 
 @functools.cache
@@ -482,6 +546,18 @@ def attention_forward(q, k, v, causal, scale, o, lse):
     return o, lse
 
 
+def backward_sources(q, k, v, do, config):
+    """q, k, v and dO as one backward kernel reads them: tensor descriptors with boxes of its
+    tile (q and dO in BLOCK_M-row tiles, K and V in BLOCK_N-row ones) when TMA can take them."""
+    if not config["TMA"]:
+        return q, k, v, do
+    rows = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")
+    return [
+        CheckedDescriptor(t, list(t.shape), list(t.stride()), [1, config[r], 1, config["BLOCK_D"]])
+        for t, r in zip((q, k, v, do), rows, strict=True)
+    ]
+
+
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv))
     if do.shape != q.shape or do.dtype != q.dtype or do.stride(3) != 1:
@@ -494,30 +570,24 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     if dq.numel() == 0:
         return dq, dk, dv
     use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, do))
-    config = {**constants(q, BACKWARD_TILE), "TMA": use_tma}
-    sources = (q, k, v, do)
-    if use_tma:  # q and dO in BLOCK_M-row tiles, K and V in BLOCK_N-row ones
-        sources = [CheckedDescriptor(t, list(t.shape), list(t.stride()),
-                                     [1, config[rows], 1, config["BLOCK_D"]])
-                   for t, rows in zip(sources, ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"),
-                                      strict=True)]  # fmt: skip
+    dkdv_config, dq_config = (
+        {**constants(q, tile, small), "TMA": use_tma}
+        for tile, small in zip(backward_tiles(q.dtype, head_dim), SMALL_BACKWARD_TILES, strict=True)
+    )  # fmt: skip
     group = heads // heads_kv
     delta = torch.empty(batch * heads, s_q, dtype=torch.float32, device=q.device)
     common = (s_q, s_k, heads, group, scale * LOG2E, scale, *q.stride()[:3], *k.stride()[:3],
               *v.stride()[:3], *do.stride()[:3], lse.stride(0), lse.stride(1))  # fmt: skip
-    with on_device_of(q):
-        attention_delta_kernel[(triton.cdiv(s_q, DELTA_ROWS), batch * heads)](
-            o, do, delta, s_q, heads, *o.stride()[:3], *do.stride()[:3], HEAD_DIM=head_dim,
-            BLOCK_D=config["BLOCK_D"], ROWS=DELTA_ROWS,
+    with on_device_of(q):  # dQ first: its programs also store D_i, which dK/dV reads
+        attention_dq_kernel[(triton.cdiv(s_q, dq_config["BLOCK_M"]), batch * heads)](
+            *backward_sources(q, k, v, do, dq_config), o, lse, delta, dq, *common[:-2],
+            *o.stride()[:3], *common[-2:], *dq.stride()[:3], CAUSAL=causal, **dq_config,
         )  # fmt: skip
         if s_k:
-            attention_dkdv_kernel[(triton.cdiv(s_k, config["BLOCK_N"]), batch * heads_kv)](
-                *sources, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3],
-                CAUSAL=causal, **config,
+            attention_dkdv_kernel[(triton.cdiv(s_k, dkdv_config["BLOCK_N"]), batch * heads_kv)](
+                *backward_sources(q, k, v, do, dkdv_config), lse, delta, dk, dv, *common,
+                *dk.stride()[:3], *dv.stride()[:3], CAUSAL=causal, **dkdv_config,
             )  # fmt: skip
-        attention_dq_kernel[(triton.cdiv(s_q, config["BLOCK_M"]), batch * heads)](
-            *sources, lse, delta, dq, *common, *dq.stride()[:3], CAUSAL=causal, **config,
-        )  # fmt: skip
     return dq, dk, dv
 
 
