@@ -217,7 +217,7 @@ def tile_sweep():
     chosen = triton_impl.FORWARD_TILES[(2, head_dim)]
     for tile in TILE_SWEEP:
         triton_impl.FORWARD_TILES[(2, head_dim)] = tile
-        triton_impl.FORWARD_PLANS.clear()
+        triton_impl.PLANS.clear()
         for causal in (False, True):
             forward = functools.partial(triton_impl.attention, q, k, v, causal=causal)
             try:
@@ -231,7 +231,7 @@ def tile_sweep():
             print(f"tile {tile} causal={causal!s:5s} {ms * 1e3:8.1f} us "
                   f"{flops / ms / 1e9:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
     triton_impl.FORWARD_TILES[(2, head_dim)] = chosen
-    triton_impl.FORWARD_PLANS.clear()
+    triton_impl.PLANS.clear()
 
 
 def backward_tile_sweep():
@@ -255,6 +255,7 @@ def backward_tile_sweep():
             for tile in tiles:
                 entry = (tile, chosen[1]) if which == "dkdv" else (chosen[0], tile)
                 triton_impl.BACKWARD_TILES[key] = entry
+                triton_impl.PLANS.clear()  # plans keep their tiles
                 backward = functools.partial(triton_impl.attention_backward, q, k, v, o, lse, do,
                                              causal, None, *grads)  # fmt: skip
                 try:
@@ -270,6 +271,7 @@ def backward_tile_sweep():
                 print(f"D={head_dim} causal={causal!s:5s} {which:4s} {tile} {ms * 1e3:8.1f} us "
                       f"{rate:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
         triton_impl.BACKWARD_TILES[key] = chosen
+        triton_impl.PLANS.clear()
 
 
 def plot(rows, path):

@@ -71,12 +71,13 @@ def _check_tensor(name, t, shape, dtype, device):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def check_operands(q, k, v, causal, scale, outputs=()):
+def check_operands(q, k, v, causal, scale, outputs=(), inputs=()):
     """Raise TypeError/ValueError naming the operand before anything is launched or written.
     q (B, S_q, H, D), k and v (B, S_k, H_kv, D) of one dtype among DTYPES on one device, the
     head dimension contiguous (stride 1), 1 <= D <= MAX_HEAD_DIM, H a multiple of H_kv >= 1;
-    causal a bool, scale None or a finite float > 0; outputs as (name, tensor, shape, dtype),
-    none reaching the memory of an input or of another output."""
+    causal a bool, scale None or a finite float > 0; further inputs (the backward's O, lse and
+    dO) and outputs as (name, tensor, shape, dtype), each on q's device with its last dimension
+    contiguous, no output reaching the memory of an input or of another output."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in DTYPES:
@@ -102,17 +103,29 @@ def check_operands(q, k, v, causal, scale, outputs=()):
         or scale <= 0
     ):  # fmt: skip
         raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
-    for name, t, shape, dtype in outputs:
+    for name, t, shape, dtype in (*inputs, *outputs):
         _check_tensor(name, t, shape, dtype, q.device)
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous (stride 1)")
-    check_no_overlap([(name, address_range(t)) for name, t in (("q", q), ("k", k), ("v", v))],
+    reads = [("q", q), ("k", k), ("v", v), *((name, t) for name, t, _, _ in inputs)]
+    check_no_overlap([(name, address_range(t)) for name, t in reads],
                      [(name, address_range(t)) for name, t, _, _ in outputs])  # fmt: skip
 
 
 def forward_outputs(q, o, lse):
     batch, s_q, heads, _ = q.shape
     return (("o", o, q.shape, q.dtype), ("lse", lse, (batch, heads, s_q), torch.float32))
+
+
+def backward_inputs(q, o, lse, do):
+    """The backward's inputs beside q, k and v, as check_operands takes them: the forward's O
+    and lse (in q's dtype and float32) and dO."""
+    batch, s_q, heads, _ = q.shape
+    return (
+        ("o", o, q.shape, q.dtype),
+        ("lse", lse, (batch, heads, s_q), torch.float32),
+        ("do", do, q.shape, q.dtype),
+    )
 
 
 def backward_outputs(q, k, dq, dk, dv):

@@ -4,6 +4,7 @@ Run with `python test.py` (or `nox -s attention` from the top). Without a GPU, t
 CPU and Triton under its interpreter at tiny sizes; the GPU adds the model sizes.
 """
 
+import inspect
 import json
 import math
 import os
@@ -374,6 +375,41 @@ def test_bad_input_raises_before_launch(impl, case):
     assert (o == 7).all() and (lse == 7).all()
 
 
+def bad_backward_inputs():
+    """(what to change of a valid backward call, what the message names) for each kind of bad
+    input the backward alone reads (O, lse, dO) and an output over an input."""
+    yield "o", lambda t: t.double(), "o must be"
+    yield "lse", lambda t: t[:, :, :-1], "lse must have shape"
+    yield "lse", lambda t: t.half(), "lse must be"
+    yield "do", lambda t: t.new_empty(*t.shape[:3], 2 * t.shape[3])[..., ::2].copy_(t), "do's"
+    yield "dq", lambda t: None, "dq overlaps o"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", range(5))
+def test_bad_backward_input_raises_before_launch(impl, case):
+    """The backward's own inputs checked before any launch, the outputs untouched (a wrong lse
+    shape would otherwise be read past its end)."""
+    name, change, words = list(bad_backward_inputs())[case]
+    q, k, v, do = operands(1, 4, 4, 2, 1, 8, torch.float32)
+    o, lse = IMPLS[impl].attention_forward(q, k, v, True, None, torch.empty_like(q),
+                                           torch.empty(1, 2, 4, device=DEVICE))  # fmt: skip
+    call = {"o": o, "lse": lse, "do": do}
+    grads = {g: torch.full_like(t, 7.0) for g, t in (("dq", q), ("dk", k), ("dv", v))}
+    if name == "dq":
+        grads["dq"] = o  # the output written over the forward's O
+        o_before = o.clone()
+    else:
+        call[name] = change(call[name])
+    with pytest.raises((TypeError, ValueError), match=words):
+        IMPLS[impl].attention_backward(q, k, v, call["o"], call["lse"], call["do"], True, None,
+                                       grads["dq"], grads["dk"], grads["dv"])  # fmt: skip
+    if name == "dq":
+        assert_same_bits(o, o_before, "O under a refused dq")
+    else:
+        assert all((g == 7).all() for g in grads.values())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_outputs_must_not_overlap(impl):
     """An output that reaches an input's memory is refused before anything is written."""
@@ -450,9 +486,21 @@ def test_triton_unmasked_and_masked_key_loops(path, lengths, causal):
     check_backward("triton", q, k, v, do, causal)
 
 
+def test_triton_kernels_end_with_the_launch_constants():
+    """KernelLaunch's direct launch appends CAUSAL and CONSTEXPRS' values to the arguments: each
+    kernel's parameters must end with them, in that order."""
+    for kernel in (triton_impl.attention_forward_kernel, triton_impl.attention_dq_kernel,
+                   triton_impl.attention_dkdv_kernel):  # fmt: skip
+        params = list(inspect.signature(kernel.fn).parameters.values())
+        constant = [p.annotation is triton_impl.tl.constexpr for p in params]
+        assert [p.name for p in params[-7:]] == ["CAUSAL", *triton_impl.CONSTEXPRS]
+        assert constant == [False] * (len(params) - 7) + [True] * 7
+
+
 def test_triton_cached_plan_still_validates():
-    """After a valid call caches its ForwardPlan, calls with the same shapes, strides and dtypes
-    are still refused when an output overlaps an input or causal is 1 instead of True."""
+    """After a valid call caches its plan (forward, then backward), calls with the same shapes,
+    strides and dtypes are still refused when an output overlaps an input or causal is 1
+    instead of True."""
     q, k, v, _ = operands(1, 9, 9, 2, 2, 16, torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 9, device=DEVICE)
     triton_impl.attention_forward(q, k, v, True, None, o, lse)
@@ -460,6 +508,10 @@ def test_triton_cached_plan_still_validates():
         triton_impl.attention_forward(q, k, v, True, None, k, lse)
     with pytest.raises(TypeError, match="causal must be a bool"):
         triton_impl.attention_forward(q, k, v, 1, None, o, lse)
+    do, grads = torch.randn_like(q), [torch.empty_like(t) for t in (q, k, v)]
+    triton_impl.attention_backward(q, k, v, o, lse, do, True, None, *grads)  # caches its plan
+    with pytest.raises(ValueError, match="dq overlaps do"):
+        triton_impl.attention_backward(q, k, v, o, lse, do, True, None, do, *grads[1:])
 
 
 def sm90_forward_assembly(dtype_name, head_dim, causal):
@@ -606,13 +658,22 @@ def test_gpu_unmasked_and_masked_key_loops(path, lengths, causal):
 
 @pytest.mark.skipif(not ON_GPU, reason="the direct launch reuses a compiled GPU kernel")
 def test_direct_launch_matches_first_launch():
-    """The first call of a shape goes through the JIT and keeps the compiled kernel; the second
-    launches it directly: same bits."""
-    q, k, v, _ = operands(2, 300, 300, 4, 2, 64, torch.bfloat16)
-    triton_impl.FORWARD_PLANS.clear()
-    runs = [triton_impl.attention(q, k, v, causal=True) for _ in range(2)]
-    assert all(plan.compiled is not None for plan in triton_impl.FORWARD_PLANS.values())
-    assert_same_bits(runs[0], runs[1], "direct launch")
+    """The first call of a shape goes through the JIT and keeps the compiled kernels; the second
+    launches them directly: the same bits, forward and backward."""
+    q, k, v, do = operands(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    triton_impl.PLANS.clear()
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = triton_impl.attention(*leaves, causal=True)
+        out.backward(do)
+        runs.append([out, *(leaf.grad for leaf in leaves)])
+    launches = [launch for plan in triton_impl.PLANS.values()
+                for launch in (getattr(plan, name, None) for name in
+                               ("kernel", "dq_kernel", "dkdv_kernel")) if launch]  # fmt: skip
+    assert len(launches) == 3 and all(launch.compiled is not None for launch in launches)
+    for first, second in zip(*runs, strict=True):
+        assert_same_bits(first, second, "direct launch")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ import math
 
 import torch
 
-from reference import backward_outputs, check_operands, default_scale, forward_outputs
+from reference import (
+    backward_inputs,
+    backward_outputs,
+    check_operands,
+    default_scale,
+    forward_outputs,
+)
 
 
 def causal_mask(s_q, s_k, device):
@@ -47,7 +53,8 @@ def attention_forward(q, k, v, causal, scale, o, lse):
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv))
+    check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv),
+                   backward_inputs(q, o, lse, do))  # fmt: skip
     scale = default_scale(q.shape[3], scale)
     batch, s_k, heads_kv, head_dim = k.shape
     group = q.shape[2] // heads_kv

@@ -28,6 +28,7 @@ from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reference import (
+    backward_inputs,
     backward_outputs,
     check_no_overlap,
     check_operands,
@@ -443,99 +444,172 @@ class CheckedDescriptor(TensorDescriptor):
         pass
 
 
-class ForwardPlan:
-    """Everything about a forward launch that `plan_key` fixes, computed once with the full
-    validation (check_operands): the grid, the scalar arguments, the compile-time constants, the
-    descriptors' shapes, the bytes each operand reaches, and (on a GPU, after the first launch)
-    the compiled kernel, which later calls launch directly instead of through the JIT's argument
-    binding. A later call of the key only checks what the key leaves out: overlaps."""
+class KernelLaunch:
+    """One kernel's launch with all but its per-call arguments fixed: the grid, the compile-time
+    constants and the launch options. The first call goes through the JIT, which compiles the
+    kernel and binds the arguments; on a GPU the compiled kernel is kept and later calls run it
+    directly, as JITFunction.run does once it has bound them (Triton 3.6), without binding some
+    35 arguments again. Every kernel here ends with the parameters CAUSAL, *CONSTEXPRS."""
 
-    def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
-        batch, s_q, heads, head_dim = q.shape
-        tile = forward_tile(q.dtype, head_dim, use_tma)
-        self.config = {**constants(q, tile), "TMA": use_tma}
-        block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
-        block_d = self.config["BLOCK_D"]
-        self.grid = (triton.cdiv(s_q, block_m), batch * heads, 1)
-        query_rows, key_rows = [1, block_m, 1, block_d], [1, block_n, 1, block_d]
-        blocks = (query_rows, key_rows, key_rows, query_rows)
-        self.layouts = [(list(t.shape), list(t.stride()), block)  # q, k, v, o's descriptors
-                        for t, block in zip((q, k, v, o), blocks, strict=True)]  # fmt: skip
-        self.reach = [reach(t) for t in (q, k, v, o, lse)]
-        self.scalars = (s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
-                        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                        *lse.stride()[:2])  # fmt: skip
-        self.constexprs = (causal, *(self.config[n] for n in CONSTEXPRS))
+    def __init__(self, kernel, grid, config, causal):
+        self.kernel, self.grid = kernel, grid
+        self.constexprs = {"CAUSAL": causal, **{name: config[name] for name in CONSTEXPRS}}
+        self.options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         self.compiled = None
 
-    def check_overlaps(self, q, k, v, o, lse):
-        tensors = (q, k, v, o, lse)
-        ranges = [(name, (t.data_ptr(), t.data_ptr() + span))
-                  for name, t, span in zip(OPERANDS, tensors, self.reach, strict=True)]  # fmt: skip
-        check_no_overlap(ranges[:3], ranges[3:])
-
-    def operands(self, q, k, v, o):
-        if not self.config["TMA"]:
-            return q, k, v, o
-        return [
-            CheckedDescriptor(t, *layout)
-            for t, layout in zip((q, k, v, o), self.layouts, strict=True)
-        ]
-
-    def launch(self, q, k, v, o, lse):
-        args = (*self.operands(q, k, v, o), lse, *self.scalars)
+    def __call__(self, device, *args):
         if self.compiled is None:
-            launched = attention_forward_kernel[self.grid](
-                *args, **dict(zip(("CAUSAL", *CONSTEXPRS), self.constexprs, strict=True)),
-                num_warps=self.config["num_warps"], num_stages=self.config["num_stages"],
-            )  # fmt: skip
+            launched = self.kernel[self.grid](*args, **self.constexprs, **self.options)
             self.compiled = launched if isinstance(launched, CompiledKernel) else None
             return
-        # What JITFunction.run does once it has bound the arguments (Triton 3.6).
-        kernel, args = self.compiled, (*args, *self.constexprs)
-        stream = driver.active.get_current_stream(q.get_device())
+        kernel, args = self.compiled, (*args, *self.constexprs.values())
+        stream = driver.active.get_current_stream(device)
         hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         metadata = kernel.launch_metadata(self.grid, stream, *args)
         kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, metadata, *hooks,
                    *args)  # fmt: skip
 
 
+def descriptor_layouts(tensors, config, rows):
+    """(shape, strides, box) of each tensor's descriptor: boxes of config[rows[i]] rows and
+    BLOCK_D columns of one batch and head."""
+    return [
+        (list(t.shape), list(t.stride()), [1, config[r], 1, config["BLOCK_D"]])
+        for t, r in zip(tensors, rows, strict=True)
+    ]
+
+
+def sources(tensors, config, layouts):
+    """The operands as a kernel reads them: tensor descriptors with the plan's layouts (TMA), or
+    the tensors themselves (pointers)."""
+    if not config["TMA"]:
+        return tensors
+    return [CheckedDescriptor(t, *layout) for t, layout in zip(tensors, layouts, strict=True)]
+
+
+# Descriptor boxes of q, k, v and dO (or O, last, in the forward): query rows and key rows.
+TILE_ROWS = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")
+
+
+class ForwardPlan:
+    """Everything about a forward launch that `plan_key` fixes, computed once with the full
+    validation (check_operands): the grid, the scalar arguments, the compile-time constants, the
+    descriptors' layouts, the bytes each operand reaches, and the launch (KernelLaunch). A later
+    call of the key only checks what the key leaves out: overlaps."""
+
+    def __init__(self, q, k, v, o, lse, causal, scale, use_tma):
+        batch, s_q, heads, head_dim = q.shape
+        tile = forward_tile(q.dtype, head_dim, use_tma)
+        self.config = {**constants(q, tile), "TMA": use_tma}
+        grid = (triton.cdiv(s_q, self.config["BLOCK_M"]), batch * heads, 1)
+        self.layouts = descriptor_layouts((q, k, v, o), self.config, TILE_ROWS)
+        self.reach = [reach(t) for t in (q, k, v, o, lse)]
+        self.scalars = (s_q, k.shape[1], heads, heads // k.shape[2], scale * LOG2E,
+                        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                        *lse.stride()[:2])  # fmt: skip
+        self.kernel = KernelLaunch(attention_forward_kernel, grid, self.config, causal)
+
+    def check_overlaps(self, q, k, v, o, lse):
+        check_overlaps((q, k, v), (o, lse), self.reach, OPERANDS)
+
+    def launch(self, q, k, v, o, lse):
+        operands = sources((q, k, v, o), self.config, self.layouts)
+        self.kernel(q.get_device(), *operands, lse, *self.scalars)
+
+
+class BackwardPlan:
+    """A backward launch's fixed part, as ForwardPlan's: the dQ kernel's launch (it also stores
+    D_i) and the dK/dV kernel's (none without keys), each with its own tile's descriptor layouts
+    and scalars, and the bytes each operand reaches."""
+
+    def __init__(self, q, k, v, o, lse, do, dq, dk, dv, causal, scale, use_tma):
+        batch, s_q, heads, head_dim = q.shape
+        s_k, heads_kv = k.shape[1], k.shape[2]
+        tiles = zip(backward_tiles(q.dtype, head_dim), SMALL_BACKWARD_TILES, strict=True)
+        dkdv_config, dq_config = ({**constants(q, tile, small), "TMA": use_tma}
+                                  for tile, small in tiles)  # fmt: skip
+        self.configs = {"dq": dq_config, "dkdv": dkdv_config}
+        self.layouts = {name: descriptor_layouts((q, k, v, do), config, TILE_ROWS)
+                        for name, config in self.configs.items()}  # fmt: skip
+        self.reach = [reach(t) for t in (q, k, v, o, lse, do, dq, dk, dv)]
+        common = (s_q, s_k, heads, heads // heads_kv, scale * LOG2E, scale, *q.stride()[:3],
+                  *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])  # fmt: skip
+        lse_strides = lse.stride()[:2]
+        self.dq_scalars = (*common, *o.stride()[:3], *lse_strides, *dq.stride()[:3])
+        self.dkdv_scalars = (*common, *lse_strides, *dk.stride()[:3], *dv.stride()[:3])
+        self.delta_shape = (batch * heads, s_q)
+        dq_grid = (triton.cdiv(s_q, dq_config["BLOCK_M"]), batch * heads, 1)
+        dkdv_grid = (triton.cdiv(s_k, dkdv_config["BLOCK_N"]), batch * heads_kv, 1)
+        self.dq_kernel = KernelLaunch(attention_dq_kernel, dq_grid, dq_config, causal)
+        self.dkdv_kernel = (KernelLaunch(attention_dkdv_kernel, dkdv_grid, dkdv_config, causal)
+                            if s_k else None)  # fmt: skip
+
+    def check_overlaps(self, q, k, v, o, lse, do, dq, dk, dv):
+        check_overlaps((q, k, v, o, lse, do), (dq, dk, dv), self.reach, BACKWARD_OPERANDS)
+
+    def operands(self, name, q, k, v, do):
+        return sources((q, k, v, do), self.configs[name], self.layouts[name])
+
+    def launch(self, q, k, v, o, lse, do, dq, dk, dv):
+        device = q.get_device()
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
+        self.dq_kernel(device, *self.operands("dq", q, k, v, do), o, lse, delta, dq,
+                       *self.dq_scalars)  # fmt: skip
+        if self.dkdv_kernel is not None:  # after the dQ programs stored D_i
+            self.dkdv_kernel(device, *self.operands("dkdv", q, k, v, do), lse, delta, dk, dv,
+                             *self.dkdv_scalars)  # fmt: skip
+
+
 OPERANDS = ("q", "k", "v", "o", "lse")
+BACKWARD_OPERANDS = ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv")
 CONSTEXPRS = ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "UPCAST", "TMA")
-FORWARD_PLANS = {}  # plan_key -> ForwardPlan, filled by calls that passed check_operands
+PLANS = {}  # plan_key -> ForwardPlan or BackwardPlan, filled by calls that passed check_operands
 
 
-def plan_key(q, k, v, o, lse, causal, scale):
-    """All that check_operands and the launch read of the operands except their addresses: per
+def check_overlaps(inputs, outputs, reaches, names):
+    """check_no_overlap on the inputs' and outputs' address ranges, their reaches precomputed."""
+    tensors = (*inputs, *outputs)
+    ranges = [(name, (t.data_ptr(), t.data_ptr() + span))
+              for name, t, span in zip(names, tensors, reaches, strict=True)]  # fmt: skip
+    check_no_overlap(ranges[: len(inputs)], ranges[len(inputs) :])
+
+
+def plan_key(kind, tensors, causal, scale):
+    """All that the validation and the launch read of the operands except their addresses: per
     tensor its shape, strides, dtype, device and base alignment (Triton specialises pointers on
     16 bytes); causal and scale with their types (True == 1 in a dict). None when an operand is
     not a tensor or scale is unhashable: check_operands says which."""
     try:
-        tensors = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-                   for t in (q, k, v, o, lse)]  # fmt: skip
+        described = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors]
         hash(scale)
-        return (causal, type(causal), scale, type(scale), *tensors)
+        return (kind, causal, type(causal), scale, type(scale), *described)
     except (AttributeError, TypeError):
         return None
 
 
-def forward_plan(q, k, v, o, lse, causal, scale):
-    """The ForwardPlan of these operands: after the full validation on a key's first call, the
-    cached plan and an overlap check after."""
-    key = plan_key(q, k, v, o, lse, causal, scale)
-    plan = FORWARD_PLANS.get(key)
+def cached_plan(kind, tensors, causal, scale, make):
+    """The plan of these operands: a key's first call validates fully and builds it (make(),
+    None when there is nothing to launch); later calls check overlaps, all the key leaves out."""
+    key = plan_key(kind, tensors, causal, scale)
+    plan = PLANS.get(key)
     if plan is not None:
-        plan.check_overlaps(q, k, v, o, lse)
+        plan.check_overlaps(*tensors)
         return plan
-    check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
-    if o.numel() == 0:
-        return None
-    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, o))
-    scale_value = default_scale(q.shape[3], scale)
-    plan = ForwardPlan(q, k, v, o, lse, causal, scale_value, use_tma)
-    if key is not None:
-        FORWARD_PLANS[key] = plan
+    plan = make()
+    if key is not None and plan is not None:
+        PLANS[key] = plan
     return plan
+
+
+def forward_plan(q, k, v, o, lse, causal, scale):
+    def make():
+        check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
+        if o.numel() == 0:
+            return None
+        use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, o))
+        return ForwardPlan(q, k, v, o, lse, causal, default_scale(q.shape[3], scale), use_tma)
+
+    return cached_plan("forward", (q, k, v, o, lse), causal, scale, make)
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
@@ -546,48 +620,26 @@ def attention_forward(q, k, v, causal, scale, o, lse):
     return o, lse
 
 
-def backward_sources(q, k, v, do, config):
-    """q, k, v and dO as one backward kernel reads them: tensor descriptors with boxes of its
-    tile (q and dO in BLOCK_M-row tiles, K and V in BLOCK_N-row ones) when TMA can take them."""
-    if not config["TMA"]:
-        return q, k, v, do
-    rows = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")
-    return [
-        CheckedDescriptor(t, list(t.shape), list(t.stride()), [1, config[r], 1, config["BLOCK_D"]])
-        for t, r in zip((q, k, v, do), rows, strict=True)
-    ]
+def backward_plan(q, k, v, o, lse, do, dq, dk, dv, causal, scale):
+    def make():
+        check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv),
+                       backward_inputs(q, o, lse, do))  # fmt: skip
+        if dq.numel() == 0:
+            return None
+        use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, do))
+        scale_value = default_scale(q.shape[3], scale)
+        return BackwardPlan(q, k, v, o, lse, do, dq, dk, dv, causal, scale_value, use_tma)
+
+    return cached_plan("backward", (q, k, v, o, lse, do, dq, dk, dv), causal, scale, make)
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv))
-    if do.shape != q.shape or do.dtype != q.dtype or do.stride(3) != 1:
-        raise ValueError("do must match q's shape and dtype, its head dimension contiguous")
-    batch, s_q, heads, head_dim = q.shape
-    s_k, heads_kv = k.shape[1], k.shape[2]
-    scale = default_scale(head_dim, scale)
-    if dk.numel():
-        dk.zero_(), dv.zero_()  # keys no query sees (s_q = 0) get 0; the kernel overwrites the rest
-    if dq.numel() == 0:
-        return dq, dk, dv
-    use_tma = has_tma(q.device) and all(describable(t) for t in (q, k, v, do))
-    dkdv_config, dq_config = (
-        {**constants(q, tile, small), "TMA": use_tma}
-        for tile, small in zip(backward_tiles(q.dtype, head_dim), SMALL_BACKWARD_TILES, strict=True)
-    )  # fmt: skip
-    group = heads // heads_kv
-    delta = torch.empty(batch * heads, s_q, dtype=torch.float32, device=q.device)
-    common = (s_q, s_k, heads, group, scale * LOG2E, scale, *q.stride()[:3], *k.stride()[:3],
-              *v.stride()[:3], *do.stride()[:3], lse.stride(0), lse.stride(1))  # fmt: skip
-    with on_device_of(q):  # dQ first: its programs also store D_i, which dK/dV reads
-        attention_dq_kernel[(triton.cdiv(s_q, dq_config["BLOCK_M"]), batch * heads)](
-            *backward_sources(q, k, v, do, dq_config), o, lse, delta, dq, *common[:-2],
-            *o.stride()[:3], *common[-2:], *dq.stride()[:3], CAUSAL=causal, **dq_config,
-        )  # fmt: skip
-        if s_k:
-            attention_dkdv_kernel[(triton.cdiv(s_k, dkdv_config["BLOCK_N"]), batch * heads_kv)](
-                *backward_sources(q, k, v, do, dkdv_config), lse, delta, dk, dv, *common,
-                *dk.stride()[:3], *dv.stride()[:3], CAUSAL=causal, **dkdv_config,
-            )  # fmt: skip
+    plan = backward_plan(q, k, v, o, lse, do, dq, dk, dv, causal, scale)
+    if plan is None:  # no query (or head or batch): nothing to launch, every dK and dV is 0
+        dk.zero_(), dv.zero_()
+    else:
+        with on_device_of(q):
+            plan.launch(q, k, v, o, lse, do, dq, dk, dv)
     return dq, dk, dv
 
 
