@@ -55,10 +55,10 @@ TILE_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8,
 # Tiles tried by --backward-tiles, as TILE_SWEEP's entries: the dK/dV kernel's (a key tile's dK
 # and dV, K and V held in registers) and the dQ kernel's.
 BACKWARD_SWEEP = {
-    "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (16, 128, 8, 4), (64, 128, 8, 2),
-             (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)],
-    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
-           (64, 64, 8, 2), (64, 128, 4, 3)],
+    "dkdv": [(32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (16, 64, 4, 3), (32, 64, 8, 3),
+             (32, 128, 8, 3)],
+    "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3),
+           (128, 64, 8, 4)],
 }  # fmt: skip
 MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
 

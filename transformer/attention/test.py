@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -644,7 +645,7 @@ def misaligned(t):
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_unmasked_and_masked_key_loops(path, lengths, causal):
-    """The loops' split at the GPU tiles (forward 128 x 128; backward 32 x 128 and 128 x 64):
+    """The loops' split at the GPU tiles (forward 128 x 128; backward 32 x 64 and 64 x 64):
     lengths that are multiples of 128 and not, the causal diagonal shifted both ways, through
     descriptors and (misaligned copies) pointers, forward and backward."""
     q, k, v, do = operands(1, *lengths, 4, 2, 128, torch.bfloat16)
@@ -674,6 +675,30 @@ def test_direct_launch_matches_first_launch():
     assert len(launches) == 3 and all(launch.compiled is not None for launch in launches)
     for first, second in zip(*runs, strict=True):
         assert_same_bits(first, second, "direct launch")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA contexts exist on a GPU only")
+def test_cached_plans_run_from_a_fresh_thread():
+    """A thread that has made no CUDA call has no current context; the cached plans' launches
+    (whose TMA descriptors need one) bind the device's: the same bits as on the main thread.
+    (The autograd engine runs backward on such a thread.)"""
+    q, k, v, do = operands(1, 200, 200, 4, 2, 64, torch.bfloat16)
+
+    def run():
+        o, lse = torch.empty_like(q), torch.empty(1, 4, 200, device=DEVICE)
+        triton_impl.attention_forward(q, k, v, True, None, o, lse)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        triton_impl.attention_backward(q, k, v, o, lse, do, True, None, *grads)
+        return [o, lse, *grads]
+
+    main = run()  # caches both plans
+    fresh = []
+    worker = threading.Thread(target=lambda: fresh.append(run()))
+    worker.start()
+    worker.join()
+    assert fresh, "the launch from a fresh thread raised"
+    for first, second in zip(main, fresh[0], strict=True):
+        assert_same_bits(first, second, "fresh thread")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ its tuning log holds the predictions behind the tiles.
 """
 
 import contextlib
+import ctypes
 import functools
 import os
 
@@ -57,13 +58,13 @@ POINTER_TILE = (128, 64, 8, 2)
 # Backward tiles, keyed as FORWARD_TILES, as (dK/dV kernel, dQ kernel), each (BLOCK_M queries,
 # BLOCK_N keys, num_warps, num_stages). The dK/dV kernel holds a key tile's float32 dK and dV
 # (BLOCK_N x BLOCK_D each) and, as left operands of its transposed products, K and V in
-# registers: at D = 128, 128 keys on 8 warps take 128 + 64 registers a thread before the
-# scores, so the query tile shrinks to 32 (at 64 it spills); the dQ kernel holds one query
-# tile's dQ, Q and dO. D = 256 and float32 (no tensor cores) are correct, not fast: their tiles
-# are the largest that fit shared memory with the fewest spills. README.md's tuning log has the
-# ptxas counts and the sweep behind each entry.
+# registers; the dQ kernel holds one query tile's dQ, Q and dO. At 16-bit D = 64 and 128 the
+# sweeps (README.md's tuning log) chose 4 warps a program for both, 64 keys x 32 queries for
+# dK/dV (254 registers) and 64 x 64 for dQ (239): two programs an SM, so one's softmax runs
+# under the other's products. D = 256 and float32 (no tensor cores) are correct, not fast: their
+# tiles are the largest that fit shared memory with the fewest spills.
 BACKWARD_TILES = {
-    (2, 64): ((32, 128, 8, 3), (128, 64, 8, 2)), (2, 128): ((32, 128, 8, 3), (128, 64, 8, 2)),
+    (2, 64): ((32, 64, 4, 3), (64, 64, 4, 3)), (2, 128): ((32, 64, 4, 3), (64, 64, 4, 3)),
     (2, 256): ((16, 64, 8, 2), (64, 32, 8, 2)), (4, 64): ((16, 32, 4, 1), (32, 16, 4, 1)),
     (4, 128): ((16, 32, 4, 1), (32, 16, 4, 1)), (4, 256): ((16, 32, 4, 1), (32, 16, 4, 1)),
 }  # fmt: skip
@@ -444,6 +445,29 @@ class CheckedDescriptor(TensorDescriptor):
         pass
 
 
+@functools.cache
+def cuda_driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def bind_primary_context(device):
+    """Make the GPU's primary context current on this thread if no context is. Triton encodes a
+    TMA descriptor (a driver call that needs a current context) before its launcher binds one,
+    and a thread that has not yet called the CUDA runtime (the autograd engine's, running a
+    backward whose plan is cached; any new thread) has none: the encode fails with "invalid
+    device context". torch's own calls bind it lazily; a cached plan makes none before the
+    launch."""
+    driver_api, context = cuda_driver(), ctypes.c_void_p()
+    if driver_api.cuCtxGetCurrent(ctypes.byref(context)) == 0 and context.value:
+        return
+    handle = ctypes.c_int()
+    for status in (driver_api.cuDeviceGet(ctypes.byref(handle), device),
+                   driver_api.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle),
+                   driver_api.cuCtxSetCurrent(context)):  # fmt: skip
+        if status:
+            raise RuntimeError(f"CUDA driver error {status} binding device {device}'s context")
+
+
 class KernelLaunch:
     """One kernel's launch with all but its per-call arguments fixed: the grid, the compile-time
     constants and the launch options. The first call goes through the JIT, which compiles the
@@ -458,6 +482,8 @@ class KernelLaunch:
         self.compiled = None
 
     def __call__(self, device, *args):
+        if not INTERPRETED:
+            bind_primary_context(device)
         if self.compiled is None:
             launched = self.kernel[self.grid](*args, **self.constexprs, **self.options)
             self.compiled = launched if isinstance(launched, CompiledKernel) else None
