@@ -49,9 +49,10 @@ SWEEP = [
 SWEEP += [(4, 4096, 32, 8, 128)]
 TINY, CALLS = (1, 16, 2, 2, 64), 1000
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --tiles for 16-bit D = 128: the
-# tutorial-style neighbourhood of FORWARD_TILES's entry.
-TILE_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3),
-              (128, 64, 8, 4), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]  # fmt: skip
+# neighbourhood of FORWARD_TILES's entry, and 4-warp tiles of which two or three programs fit
+# an SM (the backward's winners: README.md's tuning log).
+TILE_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3),
+              (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3)]  # fmt: skip
 # Tiles tried by --backward-tiles, as TILE_SWEEP's entries: the dK/dV kernel's (a key tile's dK
 # and dV, K and V held in registers) and the dQ kernel's.
 BACKWARD_SWEEP = {
