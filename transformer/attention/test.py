@@ -377,38 +377,39 @@ def test_bad_input_raises_before_launch(impl, case):
 
 
 def bad_backward_inputs():
-    """(what to change of a valid backward call, what the message names) for each kind of bad
-    input the backward alone reads (O, lse, dO) and an output over an input."""
-    yield "o", lambda t: t.double(), "o must be"
-    yield "lse", lambda t: t[:, :, :-1], "lse must have shape"
-    yield "lse", lambda t: t.half(), "lse must be"
-    yield "do", lambda t: t.new_empty(*t.shape[:3], 2 * t.shape[3])[..., ::2].copy_(t), "do's"
-    yield "dq", lambda t: None, "dq overlaps o"
+    """(how to spoil a valid backward call's operands, what the message names) for each kind of
+    bad input the backward alone reads (O, lse, dO) and an output over an input."""
+    yield lambda call: call.update(o=call["o"].double()), "o must be"
+    yield lambda call: call.update(lse=call["lse"][:, :, :-1]), "lse must have shape"
+    yield lambda call: call.update(lse=call["lse"].half()), "lse must be"
+    yield lambda call: call.update(do=strided_last(call["do"])), "do's"
+    yield lambda call: call.update(dq=call["o"]), "dq overlaps o"
+
+
+def strided_last(t):
+    """A copy of t whose last dimension has stride 2."""
+    return t.new_empty(*t.shape[:-1], 2 * t.shape[-1])[..., ::2].copy_(t)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", range(5))
 def test_bad_backward_input_raises_before_launch(impl, case):
-    """The backward's own inputs checked before any launch, the outputs untouched (a wrong lse
-    shape would otherwise be read past its end)."""
-    name, change, words = list(bad_backward_inputs())[case]
+    """The backward's own inputs checked before any launch, every operand untouched (a wrong
+    lse shape would otherwise be read past its end)."""
+    spoil, words = list(bad_backward_inputs())[case]
     q, k, v, do = operands(1, 4, 4, 2, 1, 8, torch.float32)
     o, lse = IMPLS[impl].attention_forward(q, k, v, True, None, torch.empty_like(q),
                                            torch.empty(1, 2, 4, device=DEVICE))  # fmt: skip
-    call = {"o": o, "lse": lse, "do": do}
     grads = {g: torch.full_like(t, 7.0) for g, t in (("dq", q), ("dk", k), ("dv", v))}
-    if name == "dq":
-        grads["dq"] = o  # the output written over the forward's O
-        o_before = o.clone()
-    else:
-        call[name] = change(call[name])
+    call = {"o": o, "lse": lse, "do": do, **grads}
+    before = {name: t.clone() for name, t in call.items()}
+    originals = dict(call)
+    spoil(call)
     with pytest.raises((TypeError, ValueError), match=words):
         IMPLS[impl].attention_backward(q, k, v, call["o"], call["lse"], call["do"], True, None,
-                                       grads["dq"], grads["dk"], grads["dv"])  # fmt: skip
-    if name == "dq":
-        assert_same_bits(o, o_before, "O under a refused dq")
-    else:
-        assert all((g == 7).all() for g in grads.values())
+                                       call["dq"], call["dk"], call["dv"])  # fmt: skip
+    for name, t in originals.items():
+        assert_same_bits(t, before[name], f"{name} under a refused call")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
