@@ -13,6 +13,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from reference import check_operands, to_float32
 
@@ -100,6 +104,73 @@ def on_device_of(t):
     )
 
 
+# -- The launch: Triton's host work done once per specialisation ------------------------------
+# kernel[grid](...) costs Triton 3.6 tens of microseconds of host time a call: it binds each
+# argument by name, asks each what the compiled code depends on and builds a string key to
+# find the compiled kernel. `launch` keeps the compiled kernel Triton returns at the first call
+# of a specialisation and hands later calls straight to its launcher (gemm/README.md, "The
+# host path"). Every folder's triton_impl.py holds these same lines: a folder imports nothing
+# from another.
+
+# (id of the kernel, device, Triton's debug and instrumentation knobs, specialisation(), the
+# constants) -> (the CompiledKernel, the kernel's arguments after `args`). A JITFunction hashes
+# its source (0.6 us), so the key holds its id: the CompiledKernel holds the kernel (src.fn), so
+# that id is no other kernel's while the entry lives.
+COMPILED = {}
+
+
+def specialisation(ints, tensors):
+    """What Triton 3.6 compiles a kernel for, of these arguments (its binder,
+    native_specialize_impl): an int is compiled in as the constant 1, else as an i32 (below
+    2**31) or i64 known to be a multiple of 16 or not; a tensor is a pointer of its dtype known
+    to be 16-byte aligned or not. Sizes and strides are never negative nor past 2**63."""
+    return (
+        *[1 if x == 1 else (x % 16 == 0, x < 2**31) for x in ints],
+        *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    )
+
+
+def unhooked(hook):
+    """True for a launch hook that does nothing: None, or Triton 3.6's default, an empty chain."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def launch(kernel, grid, args, constants, specialised):
+    """kernel[grid](*args, **constants), where `specialised` is specialisation() of the ints
+    and tensors among `args` (Triton passes a float as float32 whatever its value, and the
+    constants, num_warps among them, are in the key). The first call of each key goes through
+    Triton, which compiles the kernel or finds it compiled; later ones call its launcher on the
+    current stream, as Triton's last step does. Triton's own path stays for whatever needs it:
+    the interpreter and wrapped kernels (no JITFunction), pre-run and launch hooks (a profiler),
+    a kernel that reads globals (Triton checks them at each launch)."""
+    if (
+        not isinstance(kernel, JITFunction)
+        or kernel.pre_run_hooks
+        or kernel.used_global_vals
+        or not unhooked(knobs.runtime.launch_enter_hook)
+        or not unhooked(knobs.runtime.launch_exit_hook)
+    ):
+        kernel[grid](*args, **constants)
+        return
+    device = driver.active.get_current_device()
+    key = (
+        id(kernel), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+        specialised, *constants.values(),
+    )  # fmt: skip
+    found = COMPILED.get(key)
+    if found is None:
+        compiled = kernel[grid](*args, **constants)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile and the launch
+            rest = tuple(constants[param.name] for param in kernel.params[len(args) :])
+            COMPILED[key] = compiled, rest
+        return
+    compiled, rest = found
+    compiled.run(
+        *(*grid, 1, 1)[:3], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *rest,
+    )  # fmt: skip
+
+
 def axpby(alpha, x, beta, y):
     check_operands(alpha, x, beta, y)
     device = on_device_of(y)
@@ -112,8 +183,11 @@ def axpby(alpha, x, beta, y):
     with device:
         # ceil(n / block) programs, in plain integers: triton.cdiv is a constexpr function that
         # costs about 2 us a call on the host.
-        axpby_kernel[((n + block - 1) // block,)](
-            x, y, n, x.stride(0), y.stride(0), alpha32, beta32,
-            READ_X=alpha32 != 0.0, READ_Y=beta32 != 0.0, BLOCK=block, num_warps=NUM_WARPS,
+        ints = (n, x.stride(0), y.stride(0))
+        constants = {"READ_X": alpha32 != 0.0, "READ_Y": beta32 != 0.0, "BLOCK": block,
+                     "num_warps": NUM_WARPS}  # fmt: skip
+        launch(
+            axpby_kernel, ((n + block - 1) // block,), (x, y, *ints, alpha32, beta32),
+            constants, specialisation(ints, (x, y)),
         )  # fmt: skip
     return y

@@ -303,6 +303,47 @@ def test_triton_ptx_vectors_need_n_a_multiple_of_16():
     assert accesses["False"] == ["ld.global.b32", "st.global.b32"]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the direct launch runs compiled kernels: a GPU")
+def test_triton_direct_launch_never_reuses_another_specialisation():
+    """triton_impl.launch runs a compiled kernel directly only under the key it was compiled
+    for. Calls alternate between views that change one specialised property each (the address
+    2 bytes off 16, n not a multiple of 16, a stride of 2; n past 2**31 is
+    test_more_than_2_to_31_elements): a kernel compiled for 128-bit accesses on aligned
+    addresses, reused on the view 2 bytes further, would fault or copy the wrong elements."""
+    buffer = random_vector(2 * 8192 + 64, torch.bfloat16)
+    views = [buffer[:8192], buffer[1:8193], buffer[:8191], buffer[::2]]
+    triton_impl.COMPILED.clear()
+    for _ in range(2):  # the second round launches each view directly, under its own key
+        for x in views:
+            y = torch.full_like(x, float("nan"))
+            triton_impl.copy(x, y)
+            assert_same_bits(y, x, f"a view of {x.numel()} elements, stride {x.stride(0)}")
+    assert len(triton_impl.COMPILED) == len(views)
+
+
+def test_specialisation_is_tritons():
+    """triton_impl.specialisation(), which keys the direct launches (`launch`), tells two ints,
+    or two tensors, apart exactly when Triton's binder (native_specialize_impl, for sm_90) does:
+    1, multiples of 16 and not, on both sides of 2**31; each dtype at addresses 16-byte aligned
+    and not. A key that missed one of these would launch a kernel compiled for another."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    ints = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**62]
+    buffer = torch.empty(64, device=DEVICE)
+    tensors = [buffer.to(dtype)[offset:] for dtype in DTYPES for offset in (0, 1, 4, 8)]
+    for values, ours in [
+        (ints, lambda x: triton_impl.specialisation((x,), ())),
+        (tensors, lambda t: triton_impl.specialisation((), (t,))),
+    ]:
+        theirs = lambda x: native_specialize_impl(backend, x, False, True, True)  # noqa: E731
+        for x in values:
+            for y in values:
+                assert (ours(x) == ours(y)) == (theirs(x) == theirs(y)), (x, y)
+
+
 # --- 4. CuTe: builds and PTX ---
 
 

@@ -316,6 +316,29 @@ def test_triton_kernel_runs_in_a_fresh_interpreter():
         assert_within(z, exact, error_bound("triton", x, y, exact), f"{dtype}")
 
 
+def test_specialisation_is_tritons():
+    """triton_impl.specialisation(), which keys the direct launches (`launch`), tells two ints,
+    or two tensors, apart exactly when Triton's binder (native_specialize_impl, for sm_90) does:
+    1, multiples of 16 and not, on both sides of 2**31; each dtype at addresses 16-byte aligned
+    and not. A key that missed one of these would launch a kernel compiled for another."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    ints = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**62]
+    buffer = torch.empty(64, device=DEVICE)
+    tensors = [buffer.to(dtype)[offset:] for dtype in DTYPES for offset in (0, 1, 4, 8)]
+    for values, ours in [
+        (ints, lambda x: triton_impl.specialisation((x,), ())),
+        (tensors, lambda t: triton_impl.specialisation((), (t,))),
+    ]:
+        theirs = lambda x: native_specialize_impl(backend, x, False, True, True)  # noqa: E731
+        for x in values:
+            for y in values:
+                assert (ours(x) == ours(y)) == (theirs(x) == theirs(y)), (x, y)
+
+
 # --- 4. CuTe: builds and PTX ---
 
 
