@@ -99,12 +99,15 @@ def finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c: cut
 
 
 @cute.jit
-def finish_in_pairs(c_mine, acc, alpha, beta, read_c: cutlass.Constexpr):
+def finish_in_pairs(
+    c_mine, c_registers, acc, alpha, beta, read_c: cutlass.Constexpr,
+    c_read_early: cutlass.Constexpr,
+):  # fmt: skip
     """The epilogue of a whole tile of a row-major C: wgmma leaves each thread pairs of adjacent
-    columns, so C is read into registers and written back one pair per access (autovec_copy
-    finds the width from the layouts), and finish_element does its arithmetic on the copy."""
-    c_registers = cute.make_rmem_tensor_like(c_mine)
-    if cutlass.const_expr(read_c):
+    columns, so C is read into registers (c_registers, unless `c_registers_of` read it before
+    the k loop) and written back one pair per access (autovec_copy finds the width from the
+    layouts), and finish_element does its arithmetic on the copy."""
+    if cutlass.const_expr(read_c and not c_read_early):
         cute.autovec_copy(c_mine, c_registers)
     for i in cutlass.range_constexpr(cute.size(acc)):
         finish_element(c_registers, i, acc[i], alpha, beta, True, read_c)
@@ -210,12 +213,13 @@ def produce(
 
 @cute.jit
 def consume(
-    mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
+    mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, prepare, finish,
     tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, stages: cutlass.Constexpr,
 ):  # fmt: skip
-    """A consumer warpgroup: for each of the block's work units, multiply its 64 rows of the A
-    tile by the B tile (of a 64-row tile, the A tile by its half of the B tile), k step by k
-    step as the ring fills, then hand the float32 accumulator to `finish` (see run_roles)."""
+    """A consumer warpgroup: for each of the block's work units, let `prepare` set up what the
+    epilogue needs, multiply its 64 rows of the A tile by the B tile (of a 64-row tile, the A
+    tile by its half of the B tile), k step by k step as the ring fills, then hand the float32
+    accumulator and what `prepare` gave to `finish` (see run_roles)."""
     consumer_thread = thread - WARPGROUP_THREADS
     # wgmma's A and B "fragments" are shared-memory descriptors, the same for the 128
     # threads of a warpgroup: partition with the warpgroup's first thread.
@@ -232,6 +236,7 @@ def consume(
     first_unit, end_unit, unit_step = units
     for unit in cutlass.range(first_unit, end_unit, unit_step, unroll=1):
         tile_m_index, tile_n_index, _, k_steps = work(unit)
+        prepared = prepare(thread_mma, tile_m_index, tile_n_index)
         acc.fill(0.0)  # the wgmmas add into it: 0 + s is exact
         consume_k_step(mainloop, read_state, tiled_mma, acc, a_fragments, b_fragments)
         read_state.advance()
@@ -245,18 +250,36 @@ def consume(
         warpgroup.wait_group(0)
         mainloop.consumer_release(release_state)
         release_state.advance()
-        finish(thread_mma, acc, unit, tile_m_index, tile_n_index)
+        finish(thread_mma, acc, prepared, unit, tile_m_index, tile_n_index)
+
+
+@cute.jit
+def c_registers_of(
+    thread_mma, tile_m_index, tile_n_index, C, m, n, tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr, c_read_early: cutlass.Constexpr,
+):  # fmt: skip
+    """The thread's registers for its elements of tile (tile_m_index, tile_n_index) of C, the
+    work unit's `prepare` (see run_roles). With c_read_early, C is read into them now, before
+    the k loop, when the tile is whole: the loads' latency then passes under the ring's first
+    fill instead of after the last wgmma (README.md, tuning log, "Medium sizes")."""
+    tile_shape, tile = (tile_m, tile_n), (tile_m_index, tile_n_index)
+    c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
+    c_registers = cute.make_rmem_tensor_like(c_mine)
+    if cutlass.const_expr(c_read_early):
+        if (tile_m_index + 1) * tile_m <= m and (tile_n_index + 1) * tile_n <= n:
+            cute.autovec_copy(c_mine, c_registers)
+    return c_registers
 
 
 @cute.jit
 def finish_tile(
-    thread_mma, acc, unit, tile_m_index, tile_n_index, C, m, n, alpha, beta,
+    thread_mma, acc, c_registers, unit, tile_m_index, tile_n_index, C, m, n, alpha, beta,
     tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, read_c: cutlass.Constexpr,
-    c_pairs: cutlass.Constexpr,
+    c_pairs: cutlass.Constexpr, c_read_early: cutlass.Constexpr,
 ):  # fmt: skip
     """The epilogue of this step's work unit: tile (tile_m_index, tile_n_index) of C becomes
-    alpha * acc + beta * C, in column pairs on a whole tile of a paired C (c_pairs), else
-    element by element inside (m, n)."""
+    alpha * acc + beta * C, in column pairs (through c_registers, from c_registers_of) on a
+    whole tile of a paired C (c_pairs), else element by element inside (m, n)."""
     tile_shape, tile = (tile_m, tile_n), (tile_m_index, tile_n_index)
     c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
     coords = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, tile)
@@ -264,7 +287,7 @@ def finish_tile(
     if cutlass.const_expr(c_pairs):
         inside = (tile_m_index + 1) * tile_m <= m and (tile_n_index + 1) * tile_n <= n
         if inside:
-            finish_in_pairs(c_mine, acc, alpha, beta, read_c)
+            finish_in_pairs(c_mine, c_registers, acc, alpha, beta, read_c, c_read_early)
         else:
             finish_each_element(c_mine, coords_mine, acc, m, n, alpha, beta, read_c)
     else:
@@ -285,14 +308,16 @@ def whole_tile(
 @cute.jit
 def run_roles(
     tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank, units, work,
-    finish, dtype: cutlass.Constexpr, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-    tile_k: cutlass.Constexpr, stages: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+    prepare, finish, dtype: cutlass.Constexpr, tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr, tile_k: cutlass.Constexpr, stages: cutlass.Constexpr,
+    cluster_m: cutlass.Constexpr,
 ):  # fmt: skip
     """The block's work: the ring, then warp specialisation over the work units `units` =
     (first, end, step) of `range`. work(unit) says what a unit multiplies, (tile row, tile
-    column, first k step, k steps); finish(thread_mma, acc, unit, tile row, tile column) what
-    becomes of its float32 accumulator. Both are traced into the loops (this step's:
-    whole_tile, finish_tile; step 3 passes its own)."""
+    column, first k step, k steps); prepare(thread_mma, tile row, tile column), run before its
+    k loop, what its epilogue needs; finish(thread_mma, acc, prepared, unit, tile row, tile
+    column) what becomes of its float32 accumulator. All three are traced into the loops (this
+    step's: whole_tile, c_registers_of, finish_tile; step 3 passes its own)."""
     thread, _, _ = cute.arch.thread_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
@@ -315,8 +340,8 @@ def run_roles(
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
         consume(
-            mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, finish,
-            tile_m, tile_n, stages,
+            mainloop, tiled_mma, a_ring, b_ring, thread, warpgroup_index, units, work, prepare,
+            finish, tile_m, tile_n, stages,
         )  # fmt: skip
 
 
@@ -342,6 +367,7 @@ def hopper_kernel(
     stages: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
     c_pairs: cutlass.Constexpr[bool],
+    c_read_early: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
 ):
     block, _, _ = cute.arch.block_idx()
@@ -365,14 +391,17 @@ def hopper_kernel(
         whole_tile, rank=rank, m=m, n=n, k_steps=k_steps, tile_m=tile_m, tile_n=tile_n,
         cluster_m=cluster_m,
     )  # fmt: skip
+    prepare = functools.partial(
+        c_registers_of, C=C, m=m, n=n, tile_m=tile_m, tile_n=tile_n, c_read_early=c_read_early
+    )
     finish = functools.partial(
         finish_tile, C=C, m=m, n=n, alpha=alpha, beta=beta, tile_m=tile_m, tile_n=tile_n,
-        read_c=read_c, c_pairs=c_pairs,
+        read_c=read_c, c_pairs=c_pairs, c_read_early=c_read_early,
     )  # fmt: skip
     run_roles(
         tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank,
-        (cluster, cluster_tiles, clusters), work, finish, dtype, tile_m, tile_n, tile_k, stages,
-        cluster_m,
+        (cluster, cluster_tiles, clusters), work, prepare, finish, dtype, tile_m, tile_n, tile_k,
+        stages, cluster_m,
     )  # fmt: skip
 
 
@@ -474,6 +503,7 @@ def launch_hopper(
     tile_n: cutlass.Constexpr[int],
     read_c: cutlass.Constexpr[bool],
     c_pairs: cutlass.Constexpr[bool],
+    c_read_early: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
 ):
     # A, B and C arrive as torch tensors through TVM-FFI, with the layouts of `build_hopper`:
@@ -486,7 +516,7 @@ def launch_hopper(
         ops.tma_a, ops.A_tma, ops.tma_b, ops.B_tma, C, cutlass.Int64(ops.m),
         cutlass.Int64(ops.n), cutlass.Int64(ops.k), alpha, beta, ops.tiled_mma,
         ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_m, tile_n, ops.tile_k,
-        ops.stages, read_c, c_pairs, cluster_m,
+        ops.stages, read_c, c_pairs, c_read_early, cluster_m,
     ).launch(
         grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
         cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
@@ -505,8 +535,16 @@ def hopper_tile_m(m):
 
 
 def hopper_tile_n(m, n):
-    """256 columns a tile when C has at least one 128 x 256 tile per SM, else 128."""
-    return 256 if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT else 128
+    """256 columns a tile when C has at least one 128 x 256 tile per SM. 64 when 128-row tiles
+    of 128 columns would leave more than half the SMs idle and those of 64 fit one wave
+    (1024^2: 128 tiles on 128 SMs, each with half the k loop's work, in place of 64 tiles on 64
+    SMs; README.md, tuning log, "Medium sizes"). Else 128. Decode steps (m <= TILE_M, one tile
+    row) keep 128 and 256, which their plans were measured with."""
+    if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT:
+        return 256
+    if m > TILE_M and 2 * ceil_div(m, TILE_M) * ceil_div(n, 128) <= SM_COUNT:
+        return 64 if ceil_div(m, TILE_M) * ceil_div(n, 64) <= SM_COUNT else 128
+    return 128
 
 
 def tma_major(t):
@@ -557,11 +595,13 @@ def choose_kernel(A, B, allow_tf32):
 
 
 def build_hopper(
-    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, options=""
+    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early=False,
+    options="",
 ):  # fmt: skip
     """cute.compile the Hopper launcher for TVM-FFI calls (as build_plain). A and B get the
     stride 1 along their contiguous dimension (k if K-major) and 16-byte aligned bases and
-    other strides, which TMA needs; C the pairs' layout if c_pairs."""
+    other strides, which TMA needs; C the pairs' layout if c_pairs; c_read_early (with read_c
+    and c_pairs) reads a whole tile's C before its k loop (`reads_c_early`)."""
     m, n, k = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
     tma_vector = TMA_ALIGN_BYTES // dtype.itemsize
     A = placeholder(dtype, m, k, 1 if a_k_major else 0, tma_vector)
@@ -572,28 +612,41 @@ def build_hopper(
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's, at each call
     return cute.compile(
         launch_hopper, A, B, C, alpha, beta, blocks, stream,
-        a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
+        a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, c_read_early, cluster_m,
         options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_hopper(dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m):
+def compile_hopper(
+    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early
+):  # fmt: skip
     """The Hopper kernel for `dtype`, operand majorness, tile, epilogue and cluster size, built
     once and cached (the TVM-FFI function, as compile_plain)."""
     return build_hopper(
-        dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m
+        dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early
     ).__tvm_ffi_object__()
 
 
 def ptx_of(
     dtype, a_k_major=True, b_k_major=True, tile_n=256, read_c=True, c_pairs=False, cluster_m=2,
-    tile_m=TILE_M,
+    tile_m=TILE_M, c_read_early=False,
 ):  # fmt: skip
     """The sm_90a PTX of the Hopper kernel's build for these compile-time choices."""
     return sm90a_ptx(
-        build_hopper, dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m
-    )
+        build_hopper, dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
+        c_read_early,
+    )  # fmt: skip
+
+
+def reads_c_early(read_c, c_pairs, tile_n, cluster_tiles, cluster_slots):
+    """Whether the Hopper kernel reads C's whole tiles before their k loops: only when each
+    block computes one tile (cluster_tiles fit the cluster_slots of the grid), whose C loads
+    then overlap the ring's first fill, and at 128 columns or fewer (a 256-column tile's C
+    beside its accumulator spills registers). Measured (H100, README.md, tuning log, "Medium
+    sizes"): 1024^3 10.9 -> 9.2 us; where a block computes several tiles the C loads of the
+    next delay its wgmmas instead, 2048^3 36.8 -> 39.4 us."""
+    return read_c and c_pairs and tile_n <= 128 and cluster_tiles <= cluster_slots
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
@@ -616,14 +669,17 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
         return C
     tile_m, tile_n = hopper_tile_m(m), hopper_tile_n(m, n)
-    cluster_m = cluster_m if m > tile_m else 1
-    kernel = compile_hopper(
-        A.dtype, choice.a_k_major, choice.b_k_major, tile_m, tile_n, read_c, in_pairs(C),
-        cluster_m,
-    )  # fmt: skip
+    # 64-column tiles run alone: in clusters of 2 they measured 1.5x slower (1024^3: 16.5 us
+    # against 11.0), their B tile split in two 32-column multicasts.
+    cluster_m = cluster_m if m > tile_m and tile_n > 64 else 1
     # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters. TVM-FFI
     # launches on torch's current stream of C's GPU, as step 1's run_plain.
     cluster_tiles = ceil_div(m, cluster_m * tile_m) * ceil_div(n, tile_n)
-    blocks = cluster_m * min(cluster_tiles, sm_count(C.get_device()) // cluster_m)
-    kernel(A, B, C, alpha32, beta32, blocks)
+    cluster_slots = sm_count(C.get_device()) // cluster_m
+    c_pairs = in_pairs(C)
+    kernel = compile_hopper(
+        A.dtype, choice.a_k_major, choice.b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
+        reads_c_early(read_c, c_pairs, tile_n, cluster_tiles, cluster_slots),
+    )  # fmt: skip
+    kernel(A, B, C, alpha32, beta32, cluster_m * min(cluster_tiles, cluster_slots))
     return C

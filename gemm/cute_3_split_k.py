@@ -39,6 +39,7 @@ from cute_2_tma_wgmma import (
     TILE_M,
     TMA_ALIGN_BYTES,
     WGMMA_M,
+    c_registers_of,
     ceil_div,
     choose_kernel,
     finish_tile,
@@ -122,14 +123,16 @@ def split_unit(
 
 @cute.jit
 def store_partial(
-    thread_mma, acc, unit, tile_m_index, tile_n_index, partials, tiles, m, n,
+    thread_mma, acc, registers, unit, tile_m_index, tile_n_index, partials, tiles, m, n,
     tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
 ):  # fmt: skip
     """A unit's epilogue: its float32 sum, unrounded, into its tile of partials[slice]: step
-    2's finish_tile with alpha = 1 (1 * s is exact) and C not read."""
+    2's finish_tile with alpha = 1 (1 * s is exact) and C not read (`registers`, step 2's
+    c_registers_of the slice, hold the pairs on their way out)."""
     finish_tile(
-        thread_mma, acc, unit, tile_m_index, tile_n_index, partials[unit // tiles, None, None],
-        m, n, cutlass.Float32(1.0), cutlass.Float32(0.0), tile_m, tile_n, False, True,
+        thread_mma, acc, registers, unit, tile_m_index, tile_n_index,
+        partials[unit // tiles, None, None], m, n, cutlass.Float32(1.0), cutlass.Float32(0.0),
+        tile_m, tile_n, False, True, False,
     )  # fmt: skip
 
 
@@ -162,6 +165,11 @@ def split_k_kernel(
         split_unit, tiles=tiles, m=m, n=n, k_steps=k_steps, steps_per_split=steps_per_split,
         tile_m=tile_m, tile_n=tile_n,
     )  # fmt: skip
+    # The epilogue's registers: step 2's, for a tile of one slice (every slice has its layout).
+    prepare = functools.partial(
+        c_registers_of, C=partials[0, None, None], m=m, n=n, tile_m=tile_m, tile_n=tile_n,
+        c_read_early=False,
+    )  # fmt: skip
     finish = functools.partial(
         store_partial, partials=partials, tiles=tiles, m=m, n=n, tile_m=tile_m, tile_n=tile_n
     )
@@ -169,7 +177,8 @@ def split_k_kernel(
     # element of W is read once whatever the clusters, and one tile row has no partner row.
     run_roles(
         tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, 0,
-        (block, tiles * splits, blocks), work, finish, dtype, tile_m, tile_n, tile_k, stages, 1,
+        (block, tiles * splits, blocks), work, prepare, finish, dtype, tile_m, tile_n, tile_k,
+        stages, 1,
     )  # fmt: skip
 
 

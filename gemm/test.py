@@ -1421,6 +1421,37 @@ def test_cute_dispatch():
     assert choose(A, B, False).kernel == "plain"  # rows of 14 bytes: off 16-byte boundaries
 
 
+def test_cute_hopper_tile_rule():
+    """hopper_tile_n's widths: 256 once C has a 128 x 256 tile per SM; 64 where 128 x 128 tiles
+    would leave more than half the SMs idle and 128 x 64 ones fit one wave (medium sizes);
+    else 128; decode steps (one tile row, m <= 128) never 64."""
+    rule = cute_step2.hopper_tile_n
+    assert [rule(s, s) for s in (256, 512, 1024, 1040, 2048, 4096)] == [64, 64, 64, 128, 128, 256]
+    assert rule(16384, 4096) == 256 and rule(1024, 2048) == 128 and rule(2048, 1024) == 128
+    assert [rule(m, 4096) for m in (1, 16, 64, 65, 128)] == [128] * 5
+    assert rule(129, 4096) == 64 and rule(129, 8192) == 128  # 128 and 256 tiles of 128 x 64
+
+
+@needs_cute
+def test_cute_64_column_tiles_run_alone(monkeypatch):
+    """A call on 64-column tiles builds clusters of 1 (in pairs they measured 1.5x slower), one
+    block a tile, which reads C before its k loop; 128-column tiles keep the pairs asked for,
+    and at 2048^2 a block computes two tiles, so C is read after each k loop."""
+    builds = []
+
+    def recorder(*key):
+        builds.append(key)
+        return lambda *args: None
+
+    monkeypatch.setattr(cute_step2, "compile_hopper", recorder)
+    monkeypatch.setattr(cute_step2, "sm_count", lambda device: 132)
+    # (size, tile_n, cluster_m, C read before the k loop: one tile a block)
+    for size, tile_n, cluster_m, early in ((1024, 64, 1, True), (2048, 128, 2, False)):
+        A, B, C = (torch.empty(size, size, dtype=torch.bfloat16) for _ in range(3))
+        cute_step2.run_checked(A, B, C, 1.0, 1.0, True, True, False, 2)
+        assert builds.pop()[3:] == (128, tile_n, True, True, cluster_m, early)
+
+
 # The decode shapes of a 7B-class layer (issue 13): m rows of activations times W^T.
 DECODE_NK = [(4096, 4096), (11008, 4096), (4096, 11008)]
 
@@ -1631,7 +1662,7 @@ HOPPER_SHAPES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n", [64, 128, 256])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=str)
@@ -1666,6 +1697,26 @@ def test_cute_hopper_epilogues_agree(dtype):
     for C in (C_even, C_odd):
         cute_impl.gemm(ALPHA, A, B, BETA, C, allow_tf32=tf32)
     assert_same_bits(C_odd, C_even, "C with an odd row stride")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cute_hopper_reads_c_early_with_the_same_bits(monkeypatch, dtype):
+    """C read before the k loop (reads_c_early: one 128 x 64 tile a block at 1000^2) and after
+    it give the same bits, whole tiles and the partial ones at the edges (read element by
+    element, after the k loop, either way)."""
+    implementation("cute")  # skips without a GPU
+    m, n, k = 1000, 1000, 200
+    A = padded_matrix(m, k, dtype, False)
+    B = padded_matrix(k, n, dtype, dtype == torch.float32)  # TF32 takes B column-major
+    C_early = padded_matrix(m, n, dtype, False)
+    C_late = C_early.clone()
+    tf32 = dtype == torch.float32
+    assert cute_step2.hopper_tile_n(m, n) == 64 and cute_step2.in_pairs(C_early)
+    assert cute_step2.reads_c_early(True, True, 64, 8 * 16, cute_step2.sm_count(0))
+    cute_impl.gemm(ALPHA, A, B, BETA, C_early, allow_tf32=tf32)
+    monkeypatch.setattr(cute_step2, "reads_c_early", lambda *args: False)
+    cute_impl.gemm(ALPHA, A, B, BETA, C_late, allow_tf32=tf32)
+    assert_same_bits(C_early, C_late, "C read before the k loop against after it")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
