@@ -261,7 +261,8 @@ def c_registers_of(
     """The thread's registers for its elements of tile (tile_m_index, tile_n_index) of C, the
     work unit's `prepare` (see run_roles). With c_read_early, C is read into them now, before
     the k loop, when the tile is whole: the loads' latency then passes under the ring's first
-    fill instead of after the last wgmma (README.md, tuning log, "Medium sizes")."""
+    fill instead of after the last wgmma (README.md, tuning log, "Medium sizes, read with
+    ncu")."""
     tile_shape, tile = (tile_m, tile_n), (tile_m_index, tile_n_index)
     c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
     c_registers = cute.make_rmem_tensor_like(c_mine)
@@ -538,8 +539,8 @@ def hopper_tile_n(m, n):
     """256 columns a tile when C has at least one 128 x 256 tile per SM. 64 when 128-row tiles
     of 128 columns would leave more than half the SMs idle and those of 64 fit one wave
     (1024^2: 128 tiles on 128 SMs, each with half the k loop's work, in place of 64 tiles on 64
-    SMs; README.md, tuning log, "Medium sizes"). Else 128. Decode steps (m <= TILE_M, one tile
-    row) keep 128 and 256, which their plans were measured with."""
+    SMs; README.md, tuning log, "Medium sizes, read with ncu"). Else 128. Decode steps
+    (m <= TILE_M, one tile row) keep 128 and 256, which their plans were measured with."""
     if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT:
         return 256
     if m > TILE_M and 2 * ceil_div(m, TILE_M) * ceil_div(n, 128) <= SM_COUNT:
@@ -644,8 +645,8 @@ def reads_c_early(read_c, c_pairs, tile_n, cluster_tiles, cluster_slots):
     block computes one tile (cluster_tiles fit the cluster_slots of the grid), whose C loads
     then overlap the ring's first fill, and at 128 columns or fewer (a 256-column tile's C
     beside its accumulator spills registers). Measured (H100, README.md, tuning log, "Medium
-    sizes"): 1024^3 10.9 -> 9.2 us; where a block computes several tiles the C loads of the
-    next delay its wgmmas instead, 2048^3 36.8 -> 39.4 us."""
+    sizes, read with ncu"): 1024^3 10.9 -> 9.2 us; where a block computes several tiles the C
+    loads of the next delay its wgmmas instead, 2048^3 36.8 -> 39.4 us."""
     return read_c and c_pairs and tile_n <= 128 and cluster_tiles <= cluster_slots
 
 
