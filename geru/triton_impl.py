@@ -253,9 +253,11 @@ def geru(alpha, x, y, A):
     tiles_m, tiles_n = (m + block_m - 1) // block_m, (n + block_n - 1) // block_n
     tiles_along = tiles_n if rows_contiguous else tiles_m
     with device:
-        ints = (m, n, x.stride(0), y.stride(0), *A.stride(), tiles_along)
+        sizes_and_strides = (m, n, x.stride(0), y.stride(0), *A.stride())
         constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "ROWS_CONTIGUOUS": rows_contiguous,
                      "num_warps": NUM_WARPS}  # fmt: skip
-        args = (x, y, A, *ints[:-1], alpha32, tiles_along)
-        launch(geru_kernel, (tiles_m * tiles_n,), args, constants, specialisation(ints, (x, y, A)))
+        launch(
+            geru_kernel, (tiles_m * tiles_n,), (x, y, A, *sizes_and_strides, alpha32, tiles_along),
+            constants, specialisation((*sizes_and_strides, tiles_along), (x, y, A)),
+        )  # fmt: skip
     return A
