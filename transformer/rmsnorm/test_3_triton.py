@@ -205,7 +205,9 @@ def build(kernel, **constexprs):
 chunk = dict(CHUNK=t.CHUNK, LOG2_CHUNK=t.log2(t.CHUNK))
 for fused in (False, True):
     build(t.rmsnorm_forward_rows_kernel, ROWS=1, BLOCK_N=1, LOG2_BLOCK_N=0, FUSED=fused)
-    build(t.rmsnorm_backward_rows_kernel, ROWS=1, BLOCK_N=1, LOG2_BLOCK_N=0, FUSED=fused)
+    for prefetch in (False, True):
+        build(t.rmsnorm_backward_rows_kernel, ROWS=1, BLOCK_N=1, LOG2_BLOCK_N=0, FUSED=fused,
+              PREFETCH=prefetch)
     build(t.rmsnorm_forward_looped_kernel, **chunk, FUSED=fused)
     build(t.rmsnorm_backward_columns_kernel, CHUNK=t.CHUNK, FUSED=fused)
 build(t.rmsnorm_row_dots_kernel, **chunk)

@@ -12,9 +12,10 @@ Kernels, by row length N (README.md, "Triton"):
   (sum of squares, then y, last chunk first: the chunks read last are likeliest still in L2).
 * backward, N <= BACKWARD_ROW_BLOCK_MAX: `rmsnorm_backward_rows_kernel`, one program per group
   of rows, each row in registers once (3MN), the group's dweight summed in a float32 register
-  row and written as one row of `partials`. Longer rows: `rmsnorm_row_dots_kernel` (the
-  row's mean(g * xhat), streamed) then `rmsnorm_backward_columns_kernel` (a program per group
-  of rows and chunk of columns: dx, and that chunk's dweight partial).
+  row and written as one row of `partials`; 16-bit rows on up to 16 warps are loaded a step
+  ahead (PREFETCH). Longer rows: `rmsnorm_row_dots_kernel` (the row's mean(g * xhat),
+  streamed) then `rmsnorm_backward_columns_kernel` (a program per group of rows and chunk of
+  columns: dx, and that chunk's dweight partial).
 * `sum_partials_kernel` adds the partials in a fixed pairwise tree: dweight has the same bits
   on every run (no atomics), and README.md counts its roundings (`dweight_path`).
 
@@ -168,28 +169,54 @@ def input_gradient(xhat, g, rstd, mean_dot, dres_ptr, offs_m, offs_n, mask, stri
 
 
 @triton.jit
+def load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn, stride_dym, stride_dyn):
+    """x and dy of the rows offs_m (those before `end`) in their own dtype: 16-bit values stay
+    packed two to a register until they are used (load_block widens them at once)."""
+    mask = (offs_m[:, None] < end) & (offs_n[None, :] < n)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask,
+                other=0.0)  # fmt: skip
+    dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                 mask=mask, other=0.0)  # fmt: skip
+    return x, dy
+
+
+@triton.jit
 def rmsnorm_backward_rows_kernel(
     x_ptr, w_ptr, rstd_ptr, dy_ptr, dres_ptr, dx_ptr, partials_ptr, m, n, rows_per_group,
     stride_xm, stride_xn, stride_w, stride_rstd, stride_dym, stride_dyn, stride_dm, stride_dn,
     stride_dxm, stride_dxn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG2_BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
+    LOG2_BLOCK_N: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     w = tl.load(w_ptr + offs_n * stride_w, mask=offs_n < n, other=0.0).to(tl.float32)
     dweight = tl.zeros([BLOCK_N], tl.float32)  # this group's sum of dy * xhat, column by column
-    for step in range(0, rows_per_group, ROWS):
-        offs_m = group * rows_per_group + step + tl.arange(0, ROWS)
+    end = tl.minimum(group * rows_per_group + rows_per_group, m)
+    offs_m = group * rows_per_group + tl.arange(0, ROWS)
+    if PREFETCH:
+        x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+                                    stride_dym, stride_dyn)  # fmt: skip
+    for _ in range(0, rows_per_group, ROWS):
+        if PREFETCH:
+            # The next step's rows are loaded before this step's row sum: they are in flight
+            # while the block waits on the sum's barriers and stores dx (README.md, tuning log).
+            x, dy = x_next, dy_next
+            x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m + ROWS, offs_n, end, n,
+                                        stride_xm, stride_xn, stride_dym, stride_dyn)  # fmt: skip
+        else:
+            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+                              stride_dym, stride_dyn)  # fmt: skip
         mask = (offs_m[:, None] < m) & (offs_n[None, :] < n)
         rstd = tl.load(rstd_ptr + offs_m * stride_rstd, mask=offs_m < m, other=0.0)
-        xhat = load_block(x_ptr, offs_m, offs_n, stride_xm, stride_xn, mask) * rstd[:, None]
-        dy = load_block(dy_ptr, offs_m, offs_n, stride_dym, stride_dyn, mask)
-        g = dy * w[None, :]
+        xhat = x.to(tl.float32) * rstd[:, None]
+        dy = dy.to(tl.float32)
+        dweight += tl.sum(dy * xhat, axis=0)  # masked rows and columns add 0
+        g = dy * w[None, :]  # dy is not needed past here: fewer registers held across the sum
         mean_dot = row_mean(pairwise_sum(g * xhat, LOG2_BLOCK_N), n)
         dx = input_gradient(xhat, g, rstd, mean_dot, dres_ptr, offs_m, offs_n, mask, stride_dm,
                             stride_dn, FUSED)  # fmt: skip
         store_block(dx_ptr, offs_m, offs_n, stride_dxm, stride_dxn, mask, dx)
-        dweight += tl.sum(dy * xhat, axis=0)  # masked rows and columns add 0
+        offs_m += ROWS
     tl.store(partials_ptr + group * n + offs_n, dweight, mask=offs_n < n)
 
 
@@ -493,8 +520,11 @@ def rmsnorm_backward(x, weight, rstd, dy, dx, dweight, dresidual_out=None):
     with device:
         if tile is not None:
             rows, block_n, num_warps = tile
+            # A step ahead for 16-bit rows on at most 16 warps: 32 warps leave a thread 64
+            # registers, which the prefetch spills past (bf16 16384: 120 -> 140 bytes, slower).
+            prefetch = x.element_size() == 2 and num_warps <= 16
             constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": log2(block_n),
-                         "FUSED": fused, "num_warps": num_warps}  # fmt: skip
+                         "FUSED": fused, "PREFETCH": prefetch, "num_warps": num_warps}  # fmt: skip
             launch_with(
                 rmsnorm_backward_rows_kernel, (groups,), (*tensors, partials),
                 (m, n, rows_per_group, *strides), constants,
