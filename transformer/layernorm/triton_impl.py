@@ -18,10 +18,11 @@ Kernels, picked by the row length N (README.md, "Triton"):
   longer rows: `layernorm_forward_looped_kernel` streams the row twice in chunks of CHUNK.
 * backward: the rows are cut into at most PARTIALS_MAX consecutive groups (`row_groups`), one
   program per group. `layernorm_backward_rows_kernel` (N <= BACKWARD_ROW_BLOCK_MAX) walks its
-  rows a [ROWS, BLOCK_N] block at a time in registers, writes dx, and keeps the group's dw and
-  db partial sums in registers; `layernorm_backward_looped_kernel` streams longer rows twice
-  and adds into the group's partial row in memory. `sum_partials_kernel` then adds the groups'
-  float32 partials in group order: no atomics, the same bits on every run.
+  rows a [ROWS, BLOCK_N] block at a time in registers (16-bit rows loaded a step ahead:
+  PREFETCH), writes dx, and keeps the group's dw and db partial sums in registers;
+  `layernorm_backward_looped_kernel` streams longer rows twice and adds into the group's
+  partial row in memory. `sum_partials_kernel` then adds the groups' float32 partials in group
+  order: no atomics, the same bits on every run.
 
 rsqrt is `rsqrt.approx.ftz.f32` (its error is in README.md's bound); every sum is a fixed tree
 (`pairwise_sums`) or a fixed serial order, and `statistics_path`, `backward_path` export the
@@ -52,6 +53,9 @@ ROW_BLOCK_MAX = 32768
 BACKWARD_ROW_BLOCK_MAX = 8192
 CHUNK = 4096
 CHUNK_WARPS = 8
+# The backward rows kernel's register cap where it loads 16-bit rows a step ahead (PREFETCH):
+# two programs of 8 warps an SM, one of 16, as without the prefetch (ptxas, bf16 4096 and 8192).
+PREFETCH_REGISTERS = 128
 # A rows-kernel program (either way) handles at least this many elements (several short
 # rows), and gives each thread about ELEMS_PER_THREAD of them: 2 to 4 16-byte loads in flight
 # per operand.
@@ -175,11 +179,23 @@ def layernorm_forward_looped_kernel(
 
 
 @triton.jit
+def load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn, stride_dym, stride_dyn):
+    """x and dy of the rows offs_m (those before `end`) in their own dtype: 16-bit values stay
+    packed two to a register until they are used."""
+    mask = (offs_m[:, None] < end) & (offs_n[None, :] < n)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask,
+                other=0.0)  # fmt: skip
+    dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                 mask=mask, other=0.0)  # fmt: skip
+    return x, dy
+
+
+@triton.jit
 def layernorm_backward_rows_kernel(
     x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, m, n,
     rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
     stride_mean, stride_rstd, inv_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG2_BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    LOG2_BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -192,16 +208,26 @@ def layernorm_backward_rows_kernel(
     # ROWS rows a step (rows_per_group is a multiple of ROWS): their loads are in flight
     # together and their trees share each level's barrier, where one row at a time left the
     # SM waiting on a row's load, then on its tree.
-    for step in range(0, rows_per_group, ROWS):
-        offs_m = group * rows_per_group + step + tl.arange(0, ROWS)
+    end = tl.minimum(group * rows_per_group + rows_per_group, m)
+    offs_m = group * rows_per_group + tl.arange(0, ROWS)
+    if PREFETCH:
+        x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+                                    stride_dym, stride_dyn)  # fmt: skip
+    for _ in range(0, rows_per_group, ROWS):
+        if PREFETCH:
+            # The next step's rows are loaded before this step's row sums: they are in flight
+            # while the block waits on the sums' barriers and stores dx (README.md, tuning log).
+            x, dy = x_next, dy_next
+            x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m + ROWS, offs_n, end, n,
+                                        stride_xm, stride_xn, stride_dym, stride_dyn)  # fmt: skip
+        else:
+            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+                              stride_dym, stride_dyn)  # fmt: skip
         mask = (offs_m[:, None] < m) & in_row[None, :]  # rows past m read zeros, add nothing
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn
-        dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + offs_m * stride_mean, mask=offs_m < m, other=0.0)
         rstd = tl.load(rstd_ptr + offs_m * stride_rstd, mask=offs_m < m, other=0.0)
-        xhat = (x - mean[:, None]) * rstd[:, None]
+        xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+        dy = dy.to(tl.float32)
         g = dy * w[None, :]  # lanes past n: dy = 0, so g = 0 and they add nothing below
         a, b = pairwise_sums(g, g * xhat, LOG2_BLOCK_N)
         a, b = a * inv_n, b * inv_n
@@ -210,6 +236,7 @@ def layernorm_backward_rows_kernel(
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_sum += tl.sum(dy * xhat, axis=0)  # the step's rows in a compiler-fixed order
         db_sum += tl.sum(dy, axis=0)
+        offs_m += ROWS
     tl.store(dw_partial_ptr + group * n + offs_n, dw_sum, mask=in_row)
     tl.store(db_partial_ptr + group * n + offs_n, db_sum, mask=in_row)
 
@@ -528,7 +555,12 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
         rows, block_n, num_warps = tile
         num_warps = backward_warps(num_warps, x.dtype)
         kernel = layernorm_backward_rows_kernel
-        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
+        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1,
+                     "PREFETCH": x.element_size() == 2}  # fmt: skip
+        if constants["PREFETCH"]:
+            # ptxas gives the prefetching build 170 registers at bf16 4096 on 8 warps (one
+            # program an SM); capped at PREFETCH_REGISTERS it fits 126 without spills (two).
+            constants["maxnreg"] = PREFETCH_REGISTERS
     else:
         kernel, num_warps = layernorm_backward_looped_kernel, CHUNK_WARPS
         constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
