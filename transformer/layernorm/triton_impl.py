@@ -208,12 +208,13 @@ def layernorm_backward_rows_kernel(
     # ROWS rows a step (rows_per_group is a multiple of ROWS): their loads are in flight
     # together and their trees share each level's barrier, where one row at a time left the
     # SM waiting on a row's load, then on its tree.
-    end = tl.minimum(group * rows_per_group + rows_per_group, m)
-    offs_m = group * rows_per_group + tl.arange(0, ROWS)
     if PREFETCH:
-        x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+        end = tl.minimum(group * rows_per_group + rows_per_group, m)  # the group's last row + 1
+        first = group * rows_per_group + tl.arange(0, ROWS)
+        x_next, dy_next = load_step(x_ptr, dy_ptr, first, offs_n, end, n, stride_xm, stride_xn,
                                     stride_dym, stride_dyn)  # fmt: skip
-    for _ in range(0, rows_per_group, ROWS):
+    for step in range(0, rows_per_group, ROWS):
+        offs_m = group * rows_per_group + step + tl.arange(0, ROWS)
         if PREFETCH:
             # The next step's rows are loaded before this step's row sums: they are in flight
             # while the block waits on the sums' barriers and stores dx (README.md, tuning log).
@@ -221,7 +222,7 @@ def layernorm_backward_rows_kernel(
             x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m + ROWS, offs_n, end, n,
                                         stride_xm, stride_xn, stride_dym, stride_dyn)  # fmt: skip
         else:
-            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, m, n, stride_xm, stride_xn,
                               stride_dym, stride_dyn)  # fmt: skip
         mask = (offs_m[:, None] < m) & in_row[None, :]  # rows past m read zeros, add nothing
         mean = tl.load(mean_ptr + offs_m * stride_mean, mask=offs_m < m, other=0.0)
@@ -236,7 +237,6 @@ def layernorm_backward_rows_kernel(
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_sum += tl.sum(dy * xhat, axis=0)  # the step's rows in a compiler-fixed order
         db_sum += tl.sum(dy, axis=0)
-        offs_m += ROWS
     tl.store(dw_partial_ptr + group * n + offs_n, dw_sum, mask=in_row)
     tl.store(db_partial_ptr + group * n + offs_n, db_sum, mask=in_row)
 

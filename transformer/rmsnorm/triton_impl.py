@@ -191,12 +191,13 @@ def rmsnorm_backward_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     w = tl.load(w_ptr + offs_n * stride_w, mask=offs_n < n, other=0.0).to(tl.float32)
     dweight = tl.zeros([BLOCK_N], tl.float32)  # this group's sum of dy * xhat, column by column
-    end = tl.minimum(group * rows_per_group + rows_per_group, m)
-    offs_m = group * rows_per_group + tl.arange(0, ROWS)
     if PREFETCH:
-        x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+        end = tl.minimum(group * rows_per_group + rows_per_group, m)  # the group's last row + 1
+        first = group * rows_per_group + tl.arange(0, ROWS)
+        x_next, dy_next = load_step(x_ptr, dy_ptr, first, offs_n, end, n, stride_xm, stride_xn,
                                     stride_dym, stride_dyn)  # fmt: skip
-    for _ in range(0, rows_per_group, ROWS):
+    for step in range(0, rows_per_group, ROWS):
+        offs_m = group * rows_per_group + step + tl.arange(0, ROWS)
         if PREFETCH:
             # The next step's rows are loaded before this step's row sum: they are in flight
             # while the block waits on the sum's barriers and stores dx (README.md, tuning log).
@@ -204,7 +205,7 @@ def rmsnorm_backward_rows_kernel(
             x_next, dy_next = load_step(x_ptr, dy_ptr, offs_m + ROWS, offs_n, end, n,
                                         stride_xm, stride_xn, stride_dym, stride_dyn)  # fmt: skip
         else:
-            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, end, n, stride_xm, stride_xn,
+            x, dy = load_step(x_ptr, dy_ptr, offs_m, offs_n, m, n, stride_xm, stride_xn,
                               stride_dym, stride_dyn)  # fmt: skip
         mask = (offs_m[:, None] < m) & (offs_n[None, :] < n)
         rstd = tl.load(rstd_ptr + offs_m * stride_rstd, mask=offs_m < m, other=0.0)
@@ -216,7 +217,6 @@ def rmsnorm_backward_rows_kernel(
         dx = input_gradient(xhat, g, rstd, mean_dot, dres_ptr, offs_m, offs_n, mask, stride_dm,
                             stride_dn, FUSED)  # fmt: skip
         store_block(dx_ptr, offs_m, offs_n, stride_dxm, stride_dxn, mask, dx)
-        offs_m += ROWS
     tl.store(partials_ptr + group * n + offs_n, dweight, mask=offs_n < n)
 
 
