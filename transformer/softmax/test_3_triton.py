@@ -74,6 +74,10 @@ def test_triton_dispatch():
     assert grid == (8,) and (constants["ROWS"], constants["BLOCK_N"]) == (1, 32768)
     assert constants["num_warps"] == 32
     assert triton_impl.rows_launch(8, 32769, 32768) is None
+    # The forward holds one operand, 32 elements a thread; the backward two, 16 a thread.
+    forward = triton_impl.rows_launch(8, 16384, 32768, triton_impl.FORWARD_ELEMS_PER_THREAD)
+    assert forward[1]["num_warps"] == 16
+    assert triton_impl.rows_launch(8, 16384, 16384)[1]["num_warps"] == 32
 
 
 def test_triton_looped_at_real_size():

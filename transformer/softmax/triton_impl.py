@@ -42,8 +42,12 @@ CHUNK = 4096
 CHUNK_WARPS = 8
 # A program of the rows kernels handles at least this many elements (several short rows), and
 # gives each thread about ELEMS_PER_THREAD of them: 2 to 4 16-byte loads in flight per operand.
+# The forward, which holds one operand, takes twice as many a thread on half the warps: at
+# bf16 16384, 32 warps left an SM one program (66.8% of copy on an H100) where 16 warps fit
+# two (100.7%; README.md, tuning log).
 PROGRAM_ELEMS_MIN = 2048
 ELEMS_PER_THREAD = 16
+FORWARD_ELEMS_PER_THREAD = 32
 
 
 @triton.jit
@@ -280,16 +284,16 @@ def launch(kernel, grid, args, constants, specialised):
 
 
 @functools.cache
-def rows_launch(m, n, block_max):
+def rows_launch(m, n, block_max, elems_per_thread=ELEMS_PER_THREAD):
     """(grid, constants) of the rows kernels, None past block_max: BLOCK_N is n's next power
     of two, ROWS packs short rows (never more than m) so a program has PROGRAM_ELEMS_MIN
-    elements, and ELEMS_PER_THREAD sets the warps. Cached: a model calls a few shapes over and
+    elements, and elems_per_thread sets the warps. Cached: a model calls a few shapes over and
     over, and the constants are a dict `launch` only reads."""
     block_n = 1 << (n - 1).bit_length()
     if block_n > block_max:
         return None
     rows = min(max(PROGRAM_ELEMS_MIN // block_n, 1), 1 << (m - 1).bit_length())
-    num_warps = min(max(rows * block_n // (32 * ELEMS_PER_THREAD), 4), 32)
+    num_warps = min(max(rows * block_n // (32 * elems_per_thread), 4), 32)
     constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1}
     return ((m + rows - 1) // rows,), {**constants, "num_warps": num_warps}
 
@@ -329,7 +333,7 @@ def softmax_forward(x, y):
         return y
     (x_rows, _), (y_rows, copied) = as_rows(x), as_rows(y, for_output=True)
     (m, n), layout = x_rows.shape, (*x_rows.stride(), *y_rows.stride())
-    rows = rows_launch(m, n, ROW_BLOCK_MAX)
+    rows = rows_launch(m, n, ROW_BLOCK_MAX, FORWARD_ELEMS_PER_THREAD)
     with device:
         if rows is not None:
             ints = (m, n, *layout)
