@@ -555,9 +555,11 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
         rows, block_n, num_warps = tile
         num_warps = backward_warps(num_warps, x.dtype)
         kernel = layernorm_backward_rows_kernel
+        # A step ahead for 16-bit rows on at most 16 warps (32 leave a thread 64 registers).
+        prefetch = x.element_size() == 2 and num_warps <= 16
         constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1,
-                     "PREFETCH": x.element_size() == 2}  # fmt: skip
-        if constants["PREFETCH"]:
+                     "PREFETCH": prefetch}  # fmt: skip
+        if prefetch:
             # ptxas gives the prefetching build 170 registers at bf16 4096 on 8 warps (one
             # program an SM); capped at PREFETCH_REGISTERS it fits 126 without spills (two).
             constants["maxnreg"] = PREFETCH_REGISTERS
