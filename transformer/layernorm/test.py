@@ -854,10 +854,10 @@ def test_torch_compile_fullgraph(impl):
 @pytest.mark.parametrize("n", [33, 100, 257])
 def test_triton_looped_kernels(dtype, n, monkeypatch):
     """With the register limits at 32, chunks of 16 lanes and at most 4 row groups, short rows
-    take the looped kernels (the shifted one-pass statistics, partial rows in memory) and
-    several rows share a group: the paths the H200 takes past the limits, at sizes the
-    interpreter runs. One row's first chunk sits 50 above the rest: the shift is far from
-    the mean there, which the bound's D term covers."""
+    take the looped kernels (the shifted one-pass statistics; the row sums, then a program per
+    group and chunk of columns) and several rows share a group: the paths the H200 takes past
+    the limits, at sizes the interpreter runs. One row's first chunk sits 50 above the rest: the
+    shift is far from the mean there, which the bound's D term covers."""
     monkeypatch.setattr(triton_impl, "ROW_BLOCK_MAX", 32)
     monkeypatch.setattr(triton_impl, "BACKWARD_ROW_BLOCK_MAX", 32)
     monkeypatch.setattr(triton_impl, "CHUNK", 16)

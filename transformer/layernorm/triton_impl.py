@@ -19,10 +19,11 @@ Kernels, picked by the row length N (README.md, "Triton"):
 * backward: the rows are cut into at most PARTIALS_MAX consecutive groups (`row_groups`), one
   program per group. `layernorm_backward_rows_kernel` (N <= BACKWARD_ROW_BLOCK_MAX) walks its
   rows a [ROWS, BLOCK_N] block at a time in registers (16-bit rows loaded a step ahead:
-  PREFETCH), writes dx, and keeps the group's dw and db partial sums in registers;
-  `layernorm_backward_looped_kernel` streams longer rows twice and adds into the group's
-  partial row in memory. `sum_partials_kernel` then adds the groups' float32 partials in group
-  order: no atomics, the same bits on every run.
+  PREFETCH), writes dx, and keeps the group's dw and db partial sums in registers. Longer
+  rows: `layernorm_row_sums_kernel` streams each row for mean(g) and mean(g xhat), then
+  `layernorm_backward_columns_kernel` (a program per group and chunk of columns) writes dx and
+  keeps that chunk of the group's dw and db sums in registers. `sum_partials_kernel` then adds
+  the groups' float32 partials in group order: no atomics, the same bits on every run.
 
 rsqrt is `rsqrt.approx.ftz.f32` (its error is in README.md's bound); every sum is a fixed tree
 (`pairwise_sums`) or a fixed serial order, and `statistics_path`, `backward_path` export the
@@ -242,51 +243,66 @@ def layernorm_backward_rows_kernel(
 
 
 @triton.jit
-def layernorm_backward_looped_kernel(
-    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, m, n,
-    rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
-    stride_mean, stride_rstd, inv_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+def layernorm_row_sums_kernel(
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, sums_ptr, m, n, stride_xm, stride_xn, stride_dym,
+    stride_dyn, stride_mean, stride_rstd, inv_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    group = tl.program_id(0).to(tl.int64)
+    """mean(g) and mean(g xhat) of one long row, streamed in chunks, into sums[0] and sums[1]:
+    the columns kernel needs both before it writes any of the row's dx."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, dy_row = x_ptr + row * stride_xm, dy_ptr + row * stride_dym
     offs = tl.arange(0, CHUNK).to(tl.int64)
-    chunks = tl.cdiv(n, CHUNK)
+    mean = tl.load(mean_ptr + row * stride_mean)
+    rstd = tl.load(rstd_ptr + row * stride_rstd)
+    lane_a = tl.zeros([CHUNK], tl.float32)  # lane j: the sums of g and g xhat, chunk by chunk
+    lane_b = tl.zeros([CHUNK], tl.float32)
+    for chunk in range(0, tl.cdiv(n, CHUNK)):
+        cols = chunk * CHUNK + offs
+        xhat = (tl.load(x_row + cols * stride_xn, mask=cols < n, other=0.0) - mean) * rstd
+        g = tl.load(dy_row + cols * stride_dyn, mask=cols < n, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            g = g * tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        lane_a += g
+        lane_b += g * xhat
+    a, b = row_sums(lane_a, lane_b, LOG2_CHUNK)
+    tl.store(sums_ptr + row, a * inv_n)
+    tl.store(sums_ptr + m + row, b * inv_n)
+
+
+@triton.jit
+def layernorm_backward_columns_kernel(
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, sums_ptr,
+    m, n, rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
+    stride_mean, stride_rstd, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """dx of a group's rows over one chunk of columns, and that chunk of the group's dw and db
+    partial rows, summed in registers row by row (each row's x and dy read once here)."""
+    group = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    w = tl.full([CHUNK], 1.0, tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+    dw_sum = tl.zeros([CHUNK], tl.float32)
+    db_sum = tl.zeros([CHUNK], tl.float32)
     for i in range(0, rows_per_group):
         row = group * rows_per_group + i
-        x_row, dy_row = x_ptr + row * stride_xm, dy_ptr + row * stride_dym
+        mask = (cols < n) & (row < m)  # rows past m read zeros and add nothing
         mean = tl.load(mean_ptr + row * stride_mean, mask=row < m, other=0.0)
         rstd = tl.load(rstd_ptr + row * stride_rstd, mask=row < m, other=0.0)
-        lane_a = tl.zeros([CHUNK], tl.float32)  # lane j: the sums of g and g xhat, chunk by chunk
-        lane_b = tl.zeros([CHUNK], tl.float32)
-        for chunk in range(0, chunks):
-            cols = chunk * CHUNK + offs
-            mask = (cols < n) & (row < m)
-            xhat = (tl.load(x_row + cols * stride_xn, mask=mask, other=0.0) - mean) * rstd
-            g = tl.load(dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                g = g * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            lane_a += g
-            lane_b += g * xhat
-        a, b = row_sums(lane_a, lane_b, LOG2_CHUNK)
-        a, b = a * inv_n, b * inv_n
-        for back in range(0, chunks):  # last chunk first, as in the forward
-            cols = (chunks - 1 - back) * CHUNK + offs
-            mask = (cols < n) & (row < m)
-            x = tl.load(x_row + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-            w = tl.full([CHUNK], 1.0, tl.float32)
-            if HAS_WEIGHT:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            xhat = (x - mean) * rstd
-            dx = (dy * w - a - xhat * b) * rstd
-            tl.store(dx_ptr + row * stride_dxm + cols * stride_dxn,
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-            # The group's own partial rows (zeroed by the launcher): no other program adds here.
-            dw_ptrs, db_ptrs = dw_partial_ptr + group * n + cols, db_partial_ptr + group * n + cols
-            dw_old = tl.load(dw_ptrs, mask=cols < n, other=0.0)
-            db_old = tl.load(db_ptrs, mask=cols < n, other=0.0)
-            tl.store(dw_ptrs, dw_old + dy * xhat, mask=cols < n)
-            tl.store(db_ptrs, db_old + dy, mask=cols < n)
+        a = tl.load(sums_ptr + row, mask=row < m, other=0.0)
+        b = tl.load(sums_ptr + m + row, mask=row < m, other=0.0)
+        x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + row * stride_dym + cols * stride_dyn, mask=mask, other=0.0)
+        xhat = (x.to(tl.float32) - mean) * rstd
+        dy = dy.to(tl.float32)
+        dx = (dy * w - a - xhat * b) * rstd
+        tl.store(dx_ptr + row * stride_dxm + cols * stride_dxn, dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+        dw_sum += dy * xhat
+        db_sum += dy
+    tl.store(dw_partial_ptr + group * n + cols, dw_sum, mask=cols < n)
+    tl.store(db_partial_ptr + group * n + cols, db_sum, mask=cols < n)
 
 
 @triton.jit
@@ -544,32 +560,37 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     (m, n), w = x_rows.shape, parameter_vector(weight, x)
     groups, rows_per_group = row_groups(m, n)
     tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
-    looped = tile is None
-    partials = (torch.zeros if looped else torch.empty)(
-        2, groups, n, dtype=torch.float32, device=x.device
-    )
+    partials = torch.empty(2, groups, n, dtype=torch.float32, device=x.device)
     tensors = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
     ints = (m, n, rows_per_group, *x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(),
             mean_v.stride(0), rstd_v.stride(0))  # fmt: skip
-    if not looped:
-        rows, block_n, num_warps = tile
-        num_warps = backward_warps(num_warps, x.dtype)
-        kernel = layernorm_backward_rows_kernel
-        # A step ahead for 16-bit rows on at most 16 warps (32 leave a thread 64 registers).
-        prefetch = x.element_size() == 2 and num_warps <= 16
-        constants = {"ROWS": rows, "BLOCK_N": block_n, "LOG2_BLOCK_N": block_n.bit_length() - 1,
-                     "PREFETCH": prefetch}  # fmt: skip
-        if prefetch:
-            # ptxas gives the prefetching build 170 registers at bf16 4096 on 8 warps (one
-            # program an SM); capped at PREFETCH_REGISTERS it fits 126 without spills (two).
-            constants["maxnreg"] = PREFETCH_REGISTERS
-    else:
-        kernel, num_warps = layernorm_backward_looped_kernel, CHUNK_WARPS
-        constants = {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1}
-    constants.update(HAS_WEIGHT=weight is not None, num_warps=num_warps)
     with device:
-        launch(kernel, (groups,), (*tensors, *ints, 1.0 / n), constants,
-               specialisation(ints, tensors))  # fmt: skip
+        if tile is not None:
+            rows, block_n, num_warps = tile
+            num_warps = backward_warps(num_warps, x.dtype)
+            # A step ahead for 16-bit rows on at most 16 warps (32 leave a thread 64 registers).
+            prefetch = x.element_size() == 2 and num_warps <= 16
+            constants = {"ROWS": rows, "BLOCK_N": block_n, "PREFETCH": prefetch,
+                         "LOG2_BLOCK_N": block_n.bit_length() - 1,
+                         "HAS_WEIGHT": weight is not None, "num_warps": num_warps}  # fmt: skip
+            if prefetch:
+                # ptxas gives the prefetching build 170 registers at bf16 4096 on 8 warps (one
+                # program an SM); capped at PREFETCH_REGISTERS it fits 126 without spills (two).
+                constants["maxnreg"] = PREFETCH_REGISTERS
+            launch(layernorm_backward_rows_kernel, (groups,), (*tensors, *ints, 1.0 / n),
+                   constants, specialisation(ints, tensors))  # fmt: skip
+        else:  # the rows' sums first, then dx and the partials a chunk of columns at a time
+            row_sums = torch.empty(2, m, dtype=torch.float32, device=x.device)
+            sums_tensors = (*tensors[:5], row_sums)
+            sums_ints = (m, n, *x_rows.stride(), *dy_rows.stride(), *ints[-2:])
+            launch(layernorm_row_sums_kernel, (m,), (*sums_tensors, *sums_ints, 1.0 / n),
+                   {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1,
+                    "HAS_WEIGHT": weight is not None, "num_warps": CHUNK_WARPS},
+                   specialisation(sums_ints, sums_tensors))  # fmt: skip
+            launch(layernorm_backward_columns_kernel, (groups, -(-n // CHUNK)),
+                   (*tensors, row_sums, *ints),
+                   {"CHUNK": CHUNK, "HAS_WEIGHT": weight is not None, "num_warps": CHUNK_WARPS},
+                   specialisation(ints, (*tensors, row_sums)))  # fmt: skip
         if sums:  # both planes in one launch; an absent output's stand-in is never written
             dw_out = dweight if dweight is not None else dbias
             db_out = dbias if dbias is not None else dweight
