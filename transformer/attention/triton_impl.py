@@ -171,18 +171,14 @@ def attention_forward_kernel(
         diagonal = first_row + s_k - s_q
         full_end = tl.minimum(full_end, tl.maximum(diagonal + 1, 0) // BLOCK_N * BLOCK_N)
         end = tl.minimum(s_k, tl.maximum(diagonal + BLOCK_M, 0))
-    for start in range(0, full_end, BLOCK_N):
-        acc, row_max, row_sum = online_softmax_step(
-            acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, False, CAUSAL,
-            HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA,
-        )  # fmt: skip
-    for start in range(full_end, end, BLOCK_N):
-        acc, row_max, row_sum = online_softmax_step(
-            acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, True, CAUSAL,
-            HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA,
-        )  # fmt: skip
+    for masked in tl.static_range(2):  # two loops: the whole tiles, then the masked ones
+        lo, hi = (0, full_end) if masked == 0 else (full_end, end)
+        for start in range(lo, hi, BLOCK_N):
+            acc, row_max, row_sum = online_softmax_step(
+                acc, row_max, row_sum, q, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, masked == 1,
+                CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA,
+            )  # fmt: skip
     # A row that saw no key has a sum of 0: O = 0 and lse = -inf, as the definition says.
     inverse = tl.where(row_sum > 0, 1.0 / row_sum, 0.0)
     o = acc * inverse[:, None]
@@ -256,18 +252,14 @@ def attention_dkdv_kernel(
         full = tl.minimum(tl.maximum(tl.cdiv(last_key_row, BLOCK_M) * BLOCK_M, first), s_q)
     for h in range(g * group, g * group + group):  # the group's query heads, in order
         stats, deltas = b * stride_lb + h * stride_lh, (b * heads + h) * s_q
-        for start in range(first, full, BLOCK_M):
-            dk, dv = dkdv_step(
-                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q, s_k,
-                stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db, stride_ds,
-                stride_dh, True, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA,
-            )  # fmt: skip
-        for start in range(full, s_q, BLOCK_M):
-            dk, dv = dkdv_step(
-                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q, s_k,
-                stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db, stride_ds,
-                stride_dh, False, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA,
-            )  # fmt: skip
+        for masked in tl.static_range(2):  # two loops: the diagonal's tiles, then the rest
+            lo, hi = (first, full) if masked == 0 else (full, s_q)
+            for start in range(lo, hi, BLOCK_M):
+                dk, dv = dkdv_step(
+                    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, start, cols, s_q,
+                    s_k, stats, deltas, qk_scale, stride_qb, stride_qs, stride_qh, stride_db,
+                    stride_ds, stride_dh, masked == 0, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, TMA,
+                )  # fmt: skip
     mask = (cols[:, None] < s_k) & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM)
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + g * stride_dkh + cols[:, None] * stride_dks + offs_d
@@ -332,14 +324,13 @@ def attention_dq_kernel(
         diagonal = first_row + s_k - s_q
         full_end = tl.minimum(full_end, tl.maximum(diagonal + 1, 0) // BLOCK_N * BLOCK_N)
         end = tl.minimum(s_k, tl.maximum(diagonal + BLOCK_M, 0))
-    for start in range(0, full_end, BLOCK_N):
-        dq = dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, False,
-                     CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
-    for start in range(full_end, end, BLOCK_N):
-        dq = dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k, qk_scale,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, True,
-                     CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, TMA)  # fmt: skip
+    for masked in tl.static_range(2):  # two loops, as the forward's
+        lo, hi = (0, full_end) if masked == 0 else (full_end, end)
+        for start in range(lo, hi, BLOCK_N):
+            dq = dq_step(dq, q, do, lse, delta, k_src, v_src, b, g, start, rows, s_q, s_k,
+                         qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                         stride_vh, masked == 1, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST,
+                         TMA)  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + cols[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
