@@ -244,12 +244,12 @@ def layernorm_backward_rows_kernel(
 
 @triton.jit
 def layernorm_row_sums_kernel(
-    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, sums_ptr, m, n, stride_xm, stride_xn, stride_dym,
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, ab_ptr, m, n, stride_xm, stride_xn, stride_dym,
     stride_dyn, stride_mean, stride_rstd, inv_n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    """mean(g) and mean(g xhat) of one long row, streamed in chunks, into sums[0] and sums[1]:
-    the columns kernel needs both before it writes any of the row's dx."""
+    """a = mean(g) and b = mean(g xhat) of one long row, streamed in chunks, into ab[0] and
+    ab[1]: the columns kernel needs both before it writes any of the row's dx."""
     row = tl.program_id(0).to(tl.int64)
     x_row, dy_row = x_ptr + row * stride_xm, dy_ptr + row * stride_dym
     offs = tl.arange(0, CHUNK).to(tl.int64)
@@ -266,13 +266,13 @@ def layernorm_row_sums_kernel(
         lane_a += g
         lane_b += g * xhat
     a, b = row_sums(lane_a, lane_b, LOG2_CHUNK)
-    tl.store(sums_ptr + row, a * inv_n)
-    tl.store(sums_ptr + m + row, b * inv_n)
+    tl.store(ab_ptr + row, a * inv_n)
+    tl.store(ab_ptr + m + row, b * inv_n)
 
 
 @triton.jit
 def layernorm_backward_columns_kernel(
-    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, sums_ptr,
+    x_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, ab_ptr,
     m, n, rows_per_group, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dxm, stride_dxn,
     stride_mean, stride_rstd, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
@@ -290,8 +290,8 @@ def layernorm_backward_columns_kernel(
         mask = (cols < n) & (row < m)  # rows past m read zeros and add nothing
         mean = tl.load(mean_ptr + row * stride_mean, mask=row < m, other=0.0)
         rstd = tl.load(rstd_ptr + row * stride_rstd, mask=row < m, other=0.0)
-        a = tl.load(sums_ptr + row, mask=row < m, other=0.0)
-        b = tl.load(sums_ptr + m + row, mask=row < m, other=0.0)
+        a = tl.load(ab_ptr + row, mask=row < m, other=0.0)
+        b = tl.load(ab_ptr + m + row, mask=row < m, other=0.0)
         x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + row * stride_dym + cols * stride_dyn, mask=mask, other=0.0)
         xhat = (x.to(tl.float32) - mean) * rstd
@@ -580,17 +580,17 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
             launch(layernorm_backward_rows_kernel, (groups,), (*tensors, *ints, 1.0 / n),
                    constants, specialisation(ints, tensors))  # fmt: skip
         else:  # the rows' sums first, then dx and the partials a chunk of columns at a time
-            row_sums = torch.empty(2, m, dtype=torch.float32, device=x.device)
-            sums_tensors = (*tensors[:5], row_sums)
+            ab = torch.empty(2, m, dtype=torch.float32, device=x.device)  # a and b of each row
+            sums_tensors = (*tensors[:5], ab)
             sums_ints = (m, n, *x_rows.stride(), *dy_rows.stride(), *ints[-2:])
             launch(layernorm_row_sums_kernel, (m,), (*sums_tensors, *sums_ints, 1.0 / n),
                    {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1,
                     "HAS_WEIGHT": weight is not None, "num_warps": CHUNK_WARPS},
                    specialisation(sums_ints, sums_tensors))  # fmt: skip
             launch(layernorm_backward_columns_kernel, (groups, -(-n // CHUNK)),
-                   (*tensors, row_sums, *ints),
+                   (*tensors, ab, *ints),
                    {"CHUNK": CHUNK, "HAS_WEIGHT": weight is not None, "num_warps": CHUNK_WARPS},
-                   specialisation(ints, (*tensors, row_sums)))  # fmt: skip
+                   specialisation(ints, (*tensors, ab)))  # fmt: skip
         if sums:  # both planes in one launch; an absent output's stand-in is never written
             dw_out = dweight if dweight is not None else dbias
             db_out = dbias if dbias is not None else dweight
