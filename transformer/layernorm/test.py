@@ -890,6 +890,8 @@ def test_triton_dispatch():
     assert triton_impl.row_groups(32768, 1024) == (512, 64)  # 32 steps of 2 rows
     assert triton_impl.row_groups(1000, 128) == (63, 16)  # one step of 16 rows each
     assert triton_impl.row_groups(1000, 8193) == (500, 2)  # looped: a row a step
+    assert triton_impl.row_groups(32768, 32768) == (512, 64)  # 2 x 64 MiB of partial rows
+    assert triton_impl.row_groups(4096, 262144) == (64, 64)  # not 512 groups: 1 GiB
     assert triton_impl.backward_path(32768, 1024, torch.bfloat16) == (10, 1 + 32 + 16 + 5)
     assert [triton_impl.partial_slices(g) for g in (1, 3, 4, 31, 512)] == [1, 4, 4, 32, 32]
 

@@ -69,8 +69,12 @@ ELEMS_PER_THREAD = 16
 FORWARD_ELEMS_PER_THREAD = 32
 # The backward's row groups: enough programs to fill the H200's 132 SMs several times, few
 # enough that the partial rows (PARTIALS_MAX x N float32) cost little. A constant, not the
-# device's SM count, so the summation tree depends on the shape alone.
+# device's SM count, so the summation tree depends on the shape alone. Long rows take fewer
+# groups, at most PARTIAL_ELEMENTS_MAX partial elements a plane (2 x 64 MiB: 512 groups up to N
+# = 32768, 64 at N = 262144, where 512 would take 1 GiB); the columns kernel's chunks keep the
+# programs many.
 PARTIALS_MAX = 512
+PARTIAL_ELEMENTS_MAX = 2**24
 # sum_partials_kernel: PARTIAL_COLUMNS columns a program (N / 32 programs: 128 at N = 4096),
 # up to PARTIAL_SLICES groups of a column loaded at once (2 x 32 x 32 values: 16 a thread).
 PARTIAL_COLUMNS = 32
@@ -467,12 +471,14 @@ def backward_warps(num_warps, dtype):
 
 def row_groups(m, n):
     """(groups, rows per group) of the backward: m rows cut into at most PARTIALS_MAX runs of
-    equal length (the last may be shorter), one program and one partial row each; a run is a
-    whole number of the rows kernel's ROWS-row steps (one row a step on the looped path)."""
+    equal length (the last may be shorter; fewer past PARTIAL_ELEMENTS_MAX / N), one partial
+    row each; a run is a whole number of the rows kernel's ROWS-row steps (one row a step on
+    the looped path)."""
     tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
     rows = tile[0] if tile else 1
     blocks = -(-m // rows)
-    rows_per_group = -(-blocks // PARTIALS_MAX) * rows
+    groups_max = min(PARTIALS_MAX, max(PARTIAL_ELEMENTS_MAX // n, 1))
+    rows_per_group = -(-blocks // groups_max) * rows
     return -(-m // rows_per_group), rows_per_group
 
 
