@@ -567,9 +567,11 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
     groups, rows_per_group = row_groups(m, n)
     tile = rows_launch(m, n, BACKWARD_ROW_BLOCK_MAX)
     partials = torch.empty(2, groups, n, dtype=torch.float32, device=x.device)
-    tensors = (x_rows, w, mean_v, rstd_v, dy_rows, dx_rows, partials[0], partials[1])
-    ints = (m, n, rows_per_group, *x_rows.stride(), *dy_rows.stride(), *dx_rows.stride(),
-            mean_v.stride(0), rstd_v.stride(0))  # fmt: skip
+    inputs = (x_rows, w, mean_v, rstd_v, dy_rows)
+    tensors = (*inputs, dx_rows, partials[0], partials[1])
+    strides = (*x_rows.stride(), *dy_rows.stride())
+    statistics_strides = (mean_v.stride(0), rstd_v.stride(0))
+    ints = (m, n, rows_per_group, *strides, *dx_rows.stride(), *statistics_strides)
     with device:
         if tile is not None:
             rows, block_n, num_warps = tile
@@ -587,8 +589,8 @@ def layernorm_backward(x, weight, mean, rstd, dy, dx, dweight, dbias):
                    constants, specialisation(ints, tensors))  # fmt: skip
         else:  # the rows' sums first, then dx and the partials a chunk of columns at a time
             ab = torch.empty(2, m, dtype=torch.float32, device=x.device)  # a and b of each row
-            sums_tensors = (*tensors[:5], ab)
-            sums_ints = (m, n, *x_rows.stride(), *dy_rows.stride(), *ints[-2:])
+            sums_tensors = (*inputs, ab)
+            sums_ints = (m, n, *strides, *statistics_strides)
             launch(layernorm_row_sums_kernel, (m,), (*sums_tensors, *sums_ints, 1.0 / n),
                    {"CHUNK": CHUNK, "LOG2_CHUNK": CHUNK.bit_length() - 1,
                     "HAS_WEIGHT": weight is not None, "num_warps": CHUNK_WARPS},
