@@ -4,12 +4,13 @@
 Compared with step 1 (cute_1_tiled.py), this adds the tensor cores and what feeds them: TMA
 copies A and B tiles into a ring of swizzled shared-memory buffers guarded by mbarriers
 (`make_ring`), one producer thread keeps the ring full (`produce`) while two consumer
-warpgroups multiply with wgmma into float32 accumulators and finish C, two columns a time
-where they can (`consume`, `finish_tile`); blocks are persistent, in clusters of two that
-share each B tile by TMA multicast, walking step 1's grouped order (`run_roles` gives the two
-roles their work units: here whole tiles, `whole_tile`). A C of at most 64 rows takes 64-row
-tiles, which the two warpgroups split along n (`hopper_tile_m`, `make_tiled_mma`; README.md,
-"Step 3"). The arithmetic is step 1's, r = k + 2.
+warpgroups multiply with wgmma into float32 accumulators and finish C (`consume`): through
+shared memory and TMA stores where C's rows allow it (`store_tile_by_tma`), else from
+registers, two columns a time where they can (`finish_tile`); blocks are persistent, in
+clusters of two that share each B tile by TMA multicast, walking step 1's grouped order
+(`run_roles` gives the two roles their work units: here whole tiles, `whole_tile`). A C of
+at most 64 rows takes 64-row tiles, which the two warpgroups split along n (`hopper_tile_m`,
+`make_tiled_mma`; README.md, "Step 3"). The arithmetic is step 1's, r = k + 2.
 Then the TF32 MMA atom, the launcher, the dispatch (`tma_major`, `choose_kernel`), the builds
 and `gemm`, which runs here what TMA and wgmma take and everything else on step 1.
 """
@@ -50,7 +51,10 @@ SM_COUNT = 132
 # two warpgroups split along n (`make_tiled_mma`): no row of the A tile is padding.
 WARPGROUP_THREADS = 128
 CONSUMER_WARPGROUPS = 2
-HOPPER_THREADS = (1 + CONSUMER_WARPGROUPS) * WARPGROUP_THREADS
+CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS
+HOPPER_THREADS = WARPGROUP_THREADS + CONSUMER_THREADS
+# The named barrier the consumers meet at in the epilogue (0 is the block's __syncthreads).
+EPILOGUE_BARRIER = 1
 WGMMA_M = 64
 TILE_M = WGMMA_M * CONSUMER_WARPGROUPS
 # 128 bytes of a row per k step: one swizzle atom of the 128-byte swizzle, which wgmma reads
@@ -60,6 +64,16 @@ TILE_K_BYTES = 128
 # (48 KiB each) or 6 of 128 x 64 + 128 x 64 (32 KiB each); 64-row tiles fit 5 of 40 KiB or 9
 # of 24 KiB, more of W in flight. Within the H200's 227 KiB a block, with the mbarriers.
 STAGE_BUDGET_BYTES = 216 * 1024
+# The epilogue through shared memory (`store_tile_by_tma`): the consumers write C's tile
+# EPILOGUE_COLUMNS columns at a time into one of EPILOGUE_BUFFERS buffers of TILE_M x 32
+# 16-bit values (8 KiB each, 32 KiB in all), and one thread hands each buffer to a TMA store,
+# which writes C in whole 32-byte sectors (64 bytes a row) while the consumers go on, where
+# each thread's own stores wrote 4 bytes apart in 8 rows at once. The ring then keeps
+# RING_BUDGET_WITH_EPILOGUE_BYTES: the same 4 stages at 128 x 256 and 6 at 128 x 128, 8 (not 9)
+# at 128 x 64; 32 + 192 KiB, with the mbarriers and alignment, fit the 227 KiB.
+EPILOGUE_COLUMNS = 32
+EPILOGUE_BUFFERS = 4
+RING_BUDGET_WITH_EPILOGUE_BYTES = 192 * 1024
 # setmaxnreg: the producer only computes addresses; the consumers hold the accumulators
 # (128 float32 a thread at tile_n = 256). 128 * 40 + 256 * 232 fits the 64 Ki registers of an SM.
 PRODUCER_REGISTERS = 40
@@ -73,9 +87,17 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def ring_stages(tile_m, tile_n):
-    """How many stages of tile_m + tile_n rows of TILE_K_BYTES the ring holds."""
-    return STAGE_BUDGET_BYTES // ((tile_m + tile_n) * TILE_K_BYTES)
+def ring_stages(tile_m, tile_n, c_by_tma=False):
+    """How many stages of tile_m + tile_n rows of TILE_K_BYTES the ring holds (beside the
+    epilogue's buffers when C is stored by TMA)."""
+    budget = RING_BUDGET_WITH_EPILOGUE_BYTES if c_by_tma else STAGE_BUDGET_BYTES
+    return budget // ((tile_m + tile_n) * TILE_K_BYTES)
+
+
+def epilogue_buffers(tile_n):
+    """The epilogue's buffers: EPILOGUE_BUFFERS, or fewer when a tile has fewer column chunks,
+    so that every tile starts on buffer 0 and finds it free (a multiple of them a tile)."""
+    return min(EPILOGUE_BUFFERS, tile_n // EPILOGUE_COLUMNS)
 
 
 @cute.jit
@@ -296,6 +318,90 @@ def finish_tile(
 
 
 @cute.jit
+def store_tile_by_tma(
+    thread_mma, acc, c_registers, unit, tile_m_index, tile_n_index, C, m, n, alpha, beta,
+    tiled_mma, tma_c, C_tma, c_buffers, stores, tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr, read_c: cutlass.Constexpr, c_read_early: cutlass.Constexpr,
+):  # fmt: skip
+    """finish_tile's epilogue through shared memory, for 16-bit C whose rows TMA can store: a
+    whole tile's alpha * acc + beta * C is computed in the accumulator's registers (the same
+    float32 arithmetic as finish_element), then EPILOGUE_COLUMNS columns at a time rounded to
+    C's dtype, written by stmatrix into a buffer of shared memory and stored by one TMA copy
+    (`store_chunks_by_tma`); a partial tile goes element by element, as finish_tile's."""
+    tile_shape, tile = (tile_m, tile_n), (tile_m_index, tile_n_index)
+    c_mine = thread_mma.partition_C(cute.local_tile(C, tile_shape, tile))
+    if (tile_m_index + 1) * tile_m <= m and (tile_n_index + 1) * tile_n <= n:
+        if cutlass.const_expr(read_c and not c_read_early):
+            cute.autovec_copy(c_mine, c_registers)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            result = alpha * acc[i]
+            if cutlass.const_expr(read_c):
+                result = result + beta * c_registers[i].to(cutlass.Float32)
+            acc[i] = result
+        store_chunks_by_tma(
+            acc, tile_m_index, tile_n_index, tiled_mma, tma_c, C_tma, c_buffers, stores, tile_m,
+            tile_n,
+        )  # fmt: skip
+    else:
+        coords = cute.local_tile(cute.make_identity_tensor((m, n)), tile_shape, tile)
+        finish_each_element(c_mine, thread_mma.partition_C(coords), acc, m, n, alpha, beta, read_c)
+
+
+@cute.jit
+def store_chunks_by_tma(
+    results, tile_m_index, tile_n_index, tiled_mma, tma_c, C_tma, c_buffers, stores,
+    tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+):  # fmt: skip
+    """Store the float32 `results` of tile (tile_m_index, tile_n_index), in the accumulator's
+    thread map, into C: for each chunk of EPILOGUE_COLUMNS columns, the 256 consumer threads
+    round their part of it and write it by stmatrix (8 x 8 16-bit matrices, four at once)
+    into the next of the ring of `c_buffers` (swizzled, so the rows a warp writes at once
+    fall in different banks); then one thread issues the chunk's TMA store and
+    waits until at most EPILOGUE_BUFFERS - 1 stores still read their buffers, so the next
+    buffer is free when the consumers pass the barrier. The stores of a tile's last chunks
+    run on while the consumers start the next tile's wgmmas."""
+    consumer_thread = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+    consumer_warp = cute.arch.make_warp_uniform(consumer_thread // 32)
+    dtype = c_buffers.element_type
+    stmatrix = sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32)
+    to_shared = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+    thread_copy = to_shared.get_slice(consumer_thread)
+    buffers_mine = thread_copy.partition_D(c_buffers)  # (copy, rows, columns, buffer)
+    results_mine = to_shared.retile(results)  # the same registers, in the copy's order
+    chunk_layout = cute.make_layout(cute.shape(thread_copy.partition_S(c_buffers))[:3])
+    values_per_chunk = cute.size(chunk_layout)
+    # TMA's view: C as (tile_m, EPILOGUE_COLUMNS) chunks, a copy per chunk and buffer.
+    c_chunks = cute.local_tile(C_tma, (tile_m, EPILOGUE_COLUMNS), (None, None))
+    buffers_tma, chunks_tma = cpasync.tma_partition(
+        tma_c, 0, cute.make_layout(1),
+        cute.group_modes(c_buffers, 0, 2), cute.group_modes(c_chunks, 0, 2),
+    )  # fmt: skip
+    chunks = tile_n // EPILOGUE_COLUMNS
+    buffers = cute.size(c_buffers, mode=[2])
+    for chunk in cutlass.range_constexpr(chunks):
+        buffer = chunk % buffers
+        chunk_f32 = cute.make_rmem_tensor(chunk_layout, cutlass.Float32)
+        for v in cutlass.range_constexpr(values_per_chunk):
+            chunk_f32[v] = results_mine[chunk * values_per_chunk + v]
+        rounded = cute.make_rmem_tensor(chunk_layout, dtype)
+        rounded.store(chunk_f32.load().to(dtype))  # cvt.rn, to nearest even, two at a time
+        cute.copy(to_shared, rounded, buffers_mine[(None, None, None, buffer)])
+        # The generic-proxy writes become visible to TMA (the async proxy), then every
+        # consumer's writes are in before the store starts.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
+        if consumer_warp == 0:
+            with cute.arch.elect_one():  # one thread issues, commits and counts the stores
+                cute.copy(
+                    tma_c, buffers_tma[(None, buffer)],
+                    chunks_tma[(None, tile_m_index, tile_n_index * chunks + chunk)],
+                )  # fmt: skip
+                stores.producer_commit()
+                stores.producer_acquire()  # the next buffer's earlier store has read it
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
 def whole_tile(
     cluster_tile, rank, m, n, k_steps, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
     cluster_m: cutlass.Constexpr,
@@ -370,6 +476,9 @@ def hopper_kernel(
     c_pairs: cutlass.Constexpr[bool],
     c_read_early: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
+    tma_c: cute.CopyAtom | None,
+    C_tma: cute.Tensor | None,
+    c_smem_layout: cute.ComposedLayout | None,
 ):
     block, _, _ = cute.arch.block_idx()
     blocks, _, _ = cute.arch.grid_dim()
@@ -399,11 +508,30 @@ def hopper_kernel(
         finish_tile, C=C, m=m, n=n, alpha=alpha, beta=beta, tile_m=tile_m, tile_n=tile_n,
         read_c=read_c, c_pairs=c_pairs, c_read_early=c_read_early,
     )  # fmt: skip
+    if cutlass.const_expr(tma_c is not None):  # C stored through shared memory by TMA
+        c_buffers = SmemAllocator().allocate_tensor(
+            dtype, c_smem_layout.outer, byte_alignment=1024, swizzle=c_smem_layout.inner
+        )
+        # No mbarriers: the issuing warp counts its bulk stores (cp.async.bulk.wait_group).
+        stores = pipeline.PipelineTmaStore.create(
+            num_stages=cute.size(c_buffers, mode=[2]),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS),
+        )
+        finish = functools.partial(
+            store_tile_by_tma, C=C, m=m, n=n, alpha=alpha, beta=beta, tiled_mma=tiled_mma,
+            tma_c=tma_c, C_tma=C_tma, c_buffers=c_buffers, stores=stores, tile_m=tile_m,
+            tile_n=tile_n, read_c=read_c, c_read_early=c_read_early,
+        )  # fmt: skip
     run_roles(
         tma_a, A_tma, tma_b, B_tma, tiled_mma, a_smem_layout, b_smem_layout, rank,
         (cluster, cluster_tiles, clusters), work, prepare, finish, dtype, tile_m, tile_n, tile_k,
         stages, cluster_m,
     )  # fmt: skip
+    if cutlass.const_expr(tma_c is not None):
+        # The block's shared memory must outlive the TMA stores that read it: the thread that
+        # issued them (elect_one's, the first consumer warp's lane 0) waits for them.
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == WARPGROUP_THREADS // 32:
+            stores.producer_tail()
 
 
 class MmaTF32Op(MmaOp):
@@ -457,11 +585,12 @@ HopperOperands = collections.namedtuple(
 def hopper_operands(
     A, B, a_k_major: cutlass.Constexpr, b_k_major: cutlass.Constexpr,
     tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, cluster_m: cutlass.Constexpr,
+    c_by_tma: cutlass.Constexpr = False,
 ):  # fmt: skip
     """The Hopper kernel's view of A and B (HopperOperands), built on the host."""
     dtype = A.element_type
     tile_k = TILE_K_BYTES * 8 // dtype.width
-    stages = ring_stages(tile_m, tile_n)
+    stages = ring_stages(tile_m, tile_n, c_by_tma)
     # The MMA's view: A is (m, k), B is (n, k); "K-major" means k has stride 1. Its sizes are
     # 32-bit, as TMA's coordinates are: `tma_major` sends only dimensions below 2**31 here.
     m, k = cutlass.Int32(cute.size(A, mode=[0])), cutlass.Int32(cute.size(A, mode=[1]))
@@ -506,18 +635,30 @@ def launch_hopper(
     c_pairs: cutlass.Constexpr[bool],
     c_read_early: cutlass.Constexpr[bool],
     cluster_m: cutlass.Constexpr[int],
+    c_by_tma: cutlass.Constexpr[bool],
 ):
     # A, B and C arrive as torch tensors through TVM-FFI, with the layouts of `build_hopper`:
     # A and B with their stride-1 dimension known, bases and other strides on 16-byte
     # boundaries (`tma_major`), which TMA needs; C with column stride 1 and an even row stride
-    # in the paired build (`in_pairs`), any strides otherwise.
-    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_m, tile_n, cluster_m)
+    # in the paired build (`in_pairs`), rows as A's in the TMA-stored build (`stores_by_tma`),
+    # any strides otherwise.
+    ops = hopper_operands(A, B, a_k_major, b_k_major, tile_m, tile_n, cluster_m, c_by_tma)
     C = cute.make_tensor(C.iterator, cute.make_layout((ops.m, ops.n), stride=C.stride))
+    tma_c = C_tma = c_smem_layout = None
+    if cutlass.const_expr(c_by_tma):
+        c_smem_layout = sm90_utils.make_smem_layout_epi(
+            A.element_type, LayoutEnum.ROW_MAJOR, (tile_m, EPILOGUE_COLUMNS),
+            epilogue_buffers(tile_n),
+        )  # fmt: skip
+        tma_c, C_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), C, cute.slice_(c_smem_layout, (None, None, 0)),
+            (tile_m, EPILOGUE_COLUMNS),
+        )  # fmt: skip
     hopper_kernel(
         ops.tma_a, ops.A_tma, ops.tma_b, ops.B_tma, C, cutlass.Int64(ops.m),
         cutlass.Int64(ops.n), cutlass.Int64(ops.k), alpha, beta, ops.tiled_mma,
         ops.a_smem_layout, ops.b_smem_layout, A.element_type, tile_m, tile_n, ops.tile_k,
-        ops.stages, read_c, c_pairs, c_read_early, cluster_m,
+        ops.stages, read_c, c_pairs, c_read_early, cluster_m, tma_c, C_tma, c_smem_layout,
     ).launch(
         grid=[blocks, 1, 1], block=[HOPPER_THREADS, 1, 1], stream=stream,
         cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,  # 1: a plain launch, as before
@@ -597,46 +738,53 @@ def choose_kernel(A, B, allow_tf32):
 
 def build_hopper(
     dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early=False,
-    options="",
+    c_by_tma=False, options="",
 ):  # fmt: skip
     """cute.compile the Hopper launcher for TVM-FFI calls (as build_plain). A and B get the
     stride 1 along their contiguous dimension (k if K-major) and 16-byte aligned bases and
     other strides, which TMA needs; C the pairs' layout if c_pairs; c_read_early (with read_c
-    and c_pairs) reads a whole tile's C before its k loop (`reads_c_early`)."""
+    and c_pairs) reads a whole tile's C before its k loop (`reads_c_early`); c_by_tma stores
+    C through shared memory by TMA (`stores_by_tma`), with C's layout as A's."""
     m, n, k = cute.sym_int64(), cute.sym_int64(), cute.sym_int64()
     tma_vector = TMA_ALIGN_BYTES // dtype.itemsize
     A = placeholder(dtype, m, k, 1 if a_k_major else 0, tma_vector)
     B = placeholder(dtype, k, n, 0 if b_k_major else 1, tma_vector)
-    C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
+    if c_by_tma:
+        C = placeholder(dtype, m, n, 1, tma_vector)
+    else:
+        C = placeholder(dtype, m, n, 1, 2) if c_pairs else placeholder(dtype, m, n)
     alpha = beta = 1.0  # Float32 arguments: only their type is compiled in
     blocks = 1  # the persistent grid's size, an Int32 argument given at each call
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)  # torch's, at each call
     return cute.compile(
         launch_hopper, A, B, C, alpha, beta, blocks, stream,
         a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, c_read_early, cluster_m,
-        options=f"--enable-tvm-ffi {options}",
+        c_by_tma, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
 def compile_hopper(
-    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early
+    dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early,
+    c_by_tma,
 ):  # fmt: skip
     """The Hopper kernel for `dtype`, operand majorness, tile, epilogue and cluster size, built
     once and cached (the TVM-FFI function, as compile_plain)."""
-    return build_hopper(
-        dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early
-    ).__tvm_ffi_object__()
+    build = build_hopper(
+        dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m, c_read_early,
+        c_by_tma,
+    )  # fmt: skip
+    return build.__tvm_ffi_object__()
 
 
 def ptx_of(
     dtype, a_k_major=True, b_k_major=True, tile_n=256, read_c=True, c_pairs=False, cluster_m=2,
-    tile_m=TILE_M, c_read_early=False,
+    tile_m=TILE_M, c_read_early=False, c_by_tma=False,
 ):  # fmt: skip
     """The sm_90a PTX of the Hopper kernel's build for these compile-time choices."""
     return sm90a_ptx(
         build_hopper, dtype, a_k_major, b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
-        c_read_early,
+        c_read_early, c_by_tma,
     )  # fmt: skip
 
 
@@ -648,6 +796,14 @@ def reads_c_early(read_c, c_pairs, tile_n, cluster_tiles, cluster_slots):
     sizes, read with ncu"): 1024^3 10.9 -> 9.2 us; where a block computes several tiles the C
     loads of the next delay its wgmmas instead, 2048^3 36.8 -> 39.4 us."""
     return read_c and c_pairs and tile_n <= 128 and cluster_tiles <= cluster_slots
+
+
+def stores_by_tma(C, tile_m):
+    """Whether the Hopper kernel stores C through shared memory by TMA (`store_tile_by_tma`):
+    16-bit C (a float32 chunk would need twice the buffers) on 128-row tiles (the two
+    warpgroups side by side along m, the layout the epilogue's chunks follow), with rows TMA
+    can store (`tma_major`)."""
+    return C.itemsize == 2 and tile_m == TILE_M and tma_major(C) == "rows"
 
 
 def gemm(alpha, A, B, beta, C, *, allow_tf32=False, cluster_m=2):
@@ -681,6 +837,7 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
     kernel = compile_hopper(
         A.dtype, choice.a_k_major, choice.b_k_major, tile_m, tile_n, read_c, c_pairs, cluster_m,
         reads_c_early(read_c, c_pairs, tile_n, cluster_tiles, cluster_slots),
+        stores_by_tma(C, tile_m),
     )  # fmt: skip
     kernel(A, B, C, alpha32, beta32, cluster_m * min(cluster_tiles, cluster_slots))
     return C

@@ -1358,6 +1358,44 @@ def test_cute_hopper_epilogue_in_pairs():
 
 
 @needs_cute
+@pytest.mark.parametrize("tile_n", [64, 128, 256])
+@pytest.mark.parametrize("read_c", [True, False])
+def test_cute_hopper_epilogue_by_tma_ptx(tile_n, read_c):
+    """A 16-bit row-major C that TMA can store gets the epilogue through shared memory: per
+    32-column chunk, two stmatrix.x4 a thread, a fence to the async proxy and one TMA store
+    (tile_n / 32 of them, each issued by one elected thread and counted by bulk groups); C is
+    still read (beta != 0) by plain loads, and the partial tiles still store element by
+    element. Its ring keeps 4 stages at 128 x 256 and 6 at 128 x 128, 8 at 128 x 64."""
+    ptx = cute_step2.ptx_of(
+        torch.bfloat16, tile_n=tile_n, read_c=read_c, c_pairs=True, c_by_tma=True,
+        cluster_m=1 if tile_n == 64 else 2,
+    )  # fmt: skip
+    chunks = tile_n // cute_step2.EPILOGUE_COLUMNS
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == chunks
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4") == 2 * chunks
+    assert ptx.count("cp.async.bulk.commit_group") == chunks
+    assert ptx.count("fence.proxy.async.shared::cta") == chunks
+    assert ("ld.global" in ptx) == read_c and "st.global.b16" in ptx
+    stages = cute_step2.ring_stages(128, tile_n, c_by_tma=True)
+    assert ptx.count("mbarrier.init") == 2 * stages
+    assert stages == {64: 8, 128: 6, 256: 4}[tile_n]
+    assert "stmatrix" not in cute_step2.ptx_of(torch.bfloat16, tile_n=tile_n, c_pairs=True)
+
+
+@needs_cute
+def test_cute_hopper_stores_by_tma_rule():
+    """stores_by_tma: 16-bit C on 128-row tiles whose rows TMA can store (stride 1 along a row,
+    16-byte base and row stride); not float32, not 64-row (decode) tiles, not a column-major
+    C, a row stride of 8 bytes or a base 2 bytes off 16."""
+    rule = cute_step2.stores_by_tma
+    C = torch.empty(64, 72, dtype=torch.bfloat16)
+    assert rule(C, 128) and rule(C[:, :50], 128) and rule(C.half(), 128)
+    assert not rule(C, 64) and not rule(C.float(), 128) and not rule(C.T, 128)
+    assert not rule(torch.empty(64, 4, dtype=torch.bfloat16), 128)  # rows 8 bytes apart
+    assert not rule(C[:, 1:], 128)  # the base 2 bytes past a 16-byte boundary
+
+
+@needs_cute
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cute_plain_ptx(dtype):
     """The plain kernel is FMAs on the CUDA cores, IEEE float32 for float32: no wgmma, no TMA;
@@ -1449,7 +1487,7 @@ def test_cute_64_column_tiles_run_alone(monkeypatch):
     for size, tile_n, cluster_m, early in ((1024, 64, 1, True), (2048, 128, 2, False)):
         A, B, C = (torch.empty(size, size, dtype=torch.bfloat16) for _ in range(3))
         cute_step2.run_checked(A, B, C, 1.0, 1.0, True, True, False, 2)
-        assert builds.pop()[3:] == (128, tile_n, True, True, cluster_m, early)
+        assert builds.pop()[3:] == (128, tile_n, True, True, cluster_m, early, True)
 
 
 # The decode shapes of a 7B-class layer (issue 13): m rows of activations times W^T.
@@ -1720,6 +1758,30 @@ def test_cute_hopper_reads_c_early_with_the_same_bits(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("beta", [BETA, 0.0])
+@pytest.mark.parametrize(
+    "m, n, k, tile_n", [(1000, 1000, 200, 64), (2048, 1030, 200, 128), (2100, 4200, 128, 256)]
+)
+def test_cute_hopper_stores_c_by_tma_with_the_same_bits(monkeypatch, dtype, beta, m, n, k, tile_n):
+    """The epilogue through shared memory and TMA (stores_by_tma) gives the same bits as the
+    one that stores each thread's pairs from registers: 64-, 128- and 256-column tiles, one
+    or several tiles a block (the buffers reused across tiles), partial tiles at the edges,
+    beta == 0 and not; and TMA writes nothing past C's columns into its buffer's padding."""
+    implementation("cute")  # skips without a GPU
+    A, B = padded_matrix(m, k, dtype, False), padded_matrix(k, n, dtype, False)
+    buffer = torch.randn(m, -(-n // 8) * 8 + 16, device=DEVICE).to(dtype)  # 16-byte rows
+    C_tma = buffer[:, :n]
+    C_registers = C_tma.clone()
+    padding = buffer[:, n:].clone()
+    assert cute_step2.hopper_tile_n(m, n) == tile_n and cute_step2.stores_by_tma(C_tma, 128)
+    cute_impl.gemm(ALPHA, A, B, beta, C_tma)
+    monkeypatch.setattr(cute_step2, "stores_by_tma", lambda *args: False)
+    cute_impl.gemm(ALPHA, A, B, beta, C_registers)
+    assert_same_bits(C_tma, C_registers, "C stored by TMA against from registers")
+    assert_same_bits(buffer[:, n:], padding, "the padding past C's columns")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cute_hopper_clusters_agree(dtype):
     """Clusters of 2 (B multicast to both blocks) and of 1 compute every tile alike: the same
     bits, on a C of 3 tile rows (the second cluster's partner row lies past m) in several
@@ -1906,7 +1968,7 @@ def test_cute_decode_tile_rule(monkeypatch, m):
             slices = cute_step3.split_plan(m, 4096, k, 2)[1]
             assert key[3] == 64 and blocks == -(-m // 64) * 32 * slices
         else:  # one tile row: clusters of 1, no partner block
-            assert key[3] == tile_m and key[-1] == 1 and blocks == 32
+            assert key[3] == tile_m and key[7] == 1 and blocks == 32
 
 
 def aligned_guarded(values, transposed):

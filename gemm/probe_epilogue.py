@@ -1,0 +1,80 @@
+"""GPU probe for the CuTe Hopper epilogue (README.md, tuning log "C stored by TMA"): cuBLAS
+against cute_impl.gemm with C stored through shared memory by TMA (`stores_by_tma`, now the
+default for 16-bit row-major C on 128-row tiles) and with each thread's column pairs stored
+from registers (the epilogue before it), side by side in one run, graph-timed as bench.py
+times them (operand sets past the L2, one CUDA graph, do_bench, the median of ROUNDS rotated
+rounds, alpha = 1 and beta = 0.5 as bench.py). Prints TFLOP/s and x cuBLAS for each; the
+squares from 1024 to 8192 in NN, fp16 8192^3 NN, every transposed layout at 8192^3 and the
+projections of a 7B-class layer in NT at 4096 tokens. About two minutes. Run from gemm/:
+
+    python probe_epilogue.py        (writes $OUT/probe_epilogue.json when OUT is set)
+"""
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+import bench  # noqa: E402
+
+import cute_2_tma_wgmma as step2  # noqa: E402
+import cute_impl  # noqa: E402
+import triton_impl  # noqa: E402
+
+BF16, FP16 = torch.bfloat16, torch.float16
+CASES = (
+    [(BF16, "NN", (s, s, s)) for s in (1024, 2048, 4096, 8192)]
+    + [(FP16, "NN", (8192,) * 3)]
+    + [(BF16, layout, (8192,) * 3) for layout in ("NT", "TN")]
+    + [(BF16, "NT", (4096, n, k)) for n, k in bench.PROJECTIONS]
+)
+
+
+@contextlib.contextmanager
+def registers_epilogue():
+    """While open, the Hopper kernel stores C from registers (stores_by_tma answers False)."""
+    rule = step2.stores_by_tma
+    step2.stores_by_tma = lambda C, tile_m: False
+    try:
+        yield
+    finally:
+        step2.stores_by_tma = rule
+
+
+def cute_from_registers(*args):
+    with registers_epilogue():
+        return cute_impl.gemm(*args)
+
+
+IMPLS = {
+    "cublas": bench.library_gemm,
+    "cute": cute_impl.gemm,
+    "cute_registers": cute_from_registers,
+    "triton": triton_impl.gemm,
+}
+
+
+def main():
+    rows = []
+    for dtype, layout, (m, n, k) in CASES:
+        operands = bench.operand_sets(m, n, k, dtype, layout)
+        calls = {name: bench.gemm_call(f, operands) for name, f in IMPLS.items()}
+        times = bench.interleaved_ms(calls, len(operands))
+        tflops = {name: 2 * m * n * k / ms * 1e-9 for name, (ms, _) in times.items()}
+        row = {"dtype": str(dtype)[6:], "layout": layout, "shape": [m, n, k], "TFLOPs": tflops}
+        rows.append(row)
+        ratios = "  ".join(
+            f"{name} {t:6.1f} ({t / tflops['cublas']:.3f})" for name, t in tflops.items()
+        )
+        print(f"{row['dtype']:8} {layout} {m}x{n}x{k}: {ratios}", flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "probe_epilogue.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
