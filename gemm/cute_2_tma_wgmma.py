@@ -676,13 +676,25 @@ def hopper_tile_m(m):
     return WGMMA_M if m <= WGMMA_M else TILE_M
 
 
+def wave_time(m, n, tile_n):
+    """The time of C's tiles of 128 x tile_n on SM_COUNT SMs, in units of a 128-column tile's:
+    whole waves (the last one costs as much as a full one), each as long as tile_n."""
+    return ceil_div(ceil_div(m, TILE_M) * ceil_div(n, tile_n), SM_COUNT) * tile_n // 128
+
+
 def hopper_tile_n(m, n):
-    """256 columns a tile when C has at least one 128 x 256 tile per SM. 64 when 128-row tiles
-    of 128 columns would leave more than half the SMs idle and those of 64 fit one wave
-    (1024^2: 128 tiles on 128 SMs, each with half the k loop's work, in place of 64 tiles on 64
-    SMs; README.md, tuning log, "Medium sizes, read with ncu"). Else 128. Decode steps
-    (m <= TILE_M, one tile row) keep 128 and 256, which their plans were measured with."""
+    """256 columns a tile when C has at least one 128 x 256 tile per SM, unless 128-column
+    tiles quantise into waves at least 10% better (`wave_time`: 3072^2, 288 tiles of 256 in 3
+    waves against 576 of 128 in 5, 0.79x -> 0.86x cuBLAS; README.md, tuning log, "C stored by
+    TMA"); the smaller tile's lower rate costs about that much where the waves tie (4096^2,
+    8192^2). 64 when 128-row tiles of 128 columns would leave more than half the SMs idle and
+    those of 64 fit one wave (1024^2: 128 tiles on 128 SMs, each with half the k loop's work,
+    in place of 64 tiles on 64 SMs; tuning log, "Medium sizes, read with ncu"). Else 128.
+    Decode steps (m <= TILE_M, one tile row) keep 128 and 256, which their plans were
+    measured with."""
     if ceil_div(m, TILE_M) * ceil_div(n, 256) >= SM_COUNT:
+        if m > TILE_M and wave_time(m, n, 128) < 0.9 * wave_time(m, n, 256):
+            return 128
         return 256
     if m > TILE_M and 2 * ceil_div(m, TILE_M) * ceil_div(n, 128) <= SM_COUNT:
         return 64 if ceil_div(m, TILE_M) * ceil_div(n, 64) <= SM_COUNT else 128
@@ -826,9 +838,10 @@ def run_checked(A, B, C, alpha32, beta32, read_ab, read_c, allow_tf32, cluster_m
         run_plain(A, B, C, alpha32, beta32, read_ab, read_c)
         return C
     tile_m, tile_n = hopper_tile_m(m), hopper_tile_n(m, n)
-    # 64-column tiles run alone: in clusters of 2 they measured 1.5x slower (1024^3: 16.5 us
-    # against 11.0), their B tile split in two 32-column multicasts.
-    cluster_m = cluster_m if m > tile_m and tile_n > 64 else 1
+    # 64- and 128-column tiles run alone. In clusters of 2, 64 measured 1.5x slower (1024^3:
+    # 16.5 us against 11.0), their B tile split in two 32-column multicasts; 128, with C stored
+    # by TMA, 0.86x cuBLAS at 2048^3 against 0.92x alone (3072^3: 0.84x, 0.86x; H100).
+    cluster_m = cluster_m if m > tile_m and tile_n > 128 else 1
     # Persistent: one block per SM, fewer when C has fewer tiles, in whole clusters. TVM-FFI
     # launches on torch's current stream of C's GPU, as step 1's run_plain.
     cluster_tiles = ceil_div(m, cluster_m * tile_m) * ceil_div(n, tile_n)

@@ -5,9 +5,12 @@ from registers (the epilogue before it), side by side in one run, graph-timed as
 times them (operand sets past the L2, one CUDA graph, do_bench, the median of ROUNDS rotated
 rounds, alpha = 1 and beta = 0.5 as bench.py). Prints TFLOP/s and x cuBLAS for each; the
 squares from 1024 to 8192 in NN, fp16 8192^3 NN, every transposed layout at 8192^3 and the
-projections of a 7B-class layer in NT at 4096 tokens. About two minutes. Run from gemm/:
+projections of a 7B-class layer in NT at 4096 tokens. Then (`--plans`) the medium squares
+that wave quantisation costs, 1536^3, 2048^3 and 3072^3 bf16 NN, with every tile width
+(64, 128, 256) and cluster size (1, 2) forced, the TMA epilogue on. About two minutes each.
+Run from gemm/:
 
-    python probe_epilogue.py        (writes $OUT/probe_epilogue.json when OUT is set)
+    python probe_epilogue.py [--plans]     (writes $OUT/probe_epilogue.json when OUT is set)
 """
 
 import contextlib
@@ -29,7 +32,7 @@ import triton_impl  # noqa: E402
 BF16, FP16 = torch.bfloat16, torch.float16
 CASES = (
     [(BF16, "NN", (s, s, s)) for s in (1024, 2048, 4096, 8192)]
-    + [(FP16, "NN", (8192,) * 3)]
+    + [(BF16, "NN", (3072,) * 3), (FP16, "NN", (8192,) * 3)]
     + [(BF16, layout, (8192,) * 3) for layout in ("NT", "TN")]
     + [(BF16, "NT", (4096, n, k)) for n, k in bench.PROJECTIONS]
 )
@@ -59,11 +62,46 @@ IMPLS = {
 }
 
 
+PLAN_SQUARES = (1536, 2048, 3072)
+
+
+@contextlib.contextmanager
+def forced_tile_n(tile_n):
+    """While open, the Hopper kernel takes tiles of tile_n columns at every shape."""
+    rule = step2.hopper_tile_n
+    step2.hopper_tile_n = lambda m, n: tile_n
+    try:
+        yield
+    finally:
+        step2.hopper_tile_n = rule
+
+
+def forced_plan(tile_n, cluster_m):
+    def gemm(*args):
+        with forced_tile_n(tile_n):
+            return cute_impl.gemm(*args, cluster_m=cluster_m)
+
+    return gemm
+
+
+def plan_cases():
+    """(dtype, layout, shape, {name: gemm}) for --plans: cuBLAS, the chosen plan, every forced."""
+    plans = {"cublas": bench.library_gemm, "cute": cute_impl.gemm}
+    for tile_n in (64, 128, 256):
+        for cluster_m in (1, 2):
+            plans[f"cute_{tile_n}x{cluster_m}"] = forced_plan(tile_n, cluster_m)
+    return [(BF16, "NN", (s, s, s), plans) for s in PLAN_SQUARES]
+
+
 def main():
     rows = []
-    for dtype, layout, (m, n, k) in CASES:
+    if "--plans" in sys.argv:
+        cases = plan_cases()
+    else:
+        cases = [(dtype, layout, shape, IMPLS) for dtype, layout, shape in CASES]
+    for dtype, layout, (m, n, k), impls in cases:
         operands = bench.operand_sets(m, n, k, dtype, layout)
-        calls = {name: bench.gemm_call(f, operands) for name, f in IMPLS.items()}
+        calls = {name: bench.gemm_call(f, operands) for name, f in impls.items()}
         times = bench.interleaved_ms(calls, len(operands))
         tflops = {name: 2 * m * n * k / ms * 1e-9 for name, (ms, _) in times.items()}
         row = {"dtype": str(dtype)[6:], "layout": layout, "shape": [m, n, k], "TFLOPs": tflops}

@@ -1460,21 +1460,27 @@ def test_cute_dispatch():
 
 
 def test_cute_hopper_tile_rule():
-    """hopper_tile_n's widths: 256 once C has a 128 x 256 tile per SM; 64 where 128 x 128 tiles
-    would leave more than half the SMs idle and 128 x 64 ones fit one wave (medium sizes);
-    else 128; decode steps (one tile row, m <= 128) never 64."""
+    """hopper_tile_n's widths: 256 once C has a 128 x 256 tile per SM, unless 128 x 128 tiles
+    fill their waves at least 10% better (3072^2: 5 waves of 128 against 3 of 256, wave_time
+    5 against 6); 64 where 128 x 128 tiles would leave more than half the SMs idle and
+    128 x 64 ones fit one wave (medium sizes); else 128; decode steps (one tile row, m <= 128)
+    never 64."""
     rule = cute_step2.hopper_tile_n
-    assert [rule(s, s) for s in (256, 512, 1024, 1040, 2048, 4096)] == [64, 64, 64, 128, 128, 256]
+    squares = (256, 512, 1024, 1040, 2048, 3072, 4096, 8192)
+    assert [rule(s, s) for s in squares] == [64, 64, 64, 128, 128, 128, 256, 256]
+    assert cute_step2.wave_time(3072, 3072, 128) == 5 and cute_step2.wave_time(3072, 3072, 256) == 6
+    assert rule(4096, 11008) == 256  # 21 against 22: not 10% better
     assert rule(16384, 4096) == 256 and rule(1024, 2048) == 128 and rule(2048, 1024) == 128
     assert [rule(m, 4096) for m in (1, 16, 64, 65, 128)] == [128] * 5
     assert rule(129, 4096) == 64 and rule(129, 8192) == 128  # 128 and 256 tiles of 128 x 64
 
 
 @needs_cute
-def test_cute_64_column_tiles_run_alone(monkeypatch):
+def test_cute_narrow_tiles_run_alone(monkeypatch):
     """A call on 64-column tiles builds clusters of 1 (in pairs they measured 1.5x slower), one
-    block a tile, which reads C before its k loop; 128-column tiles keep the pairs asked for,
-    and at 2048^2 a block computes two tiles, so C is read after each k loop."""
+    block a tile, which reads C before its k loop; 128-column tiles run alone too (in pairs
+    0.86x cuBLAS at 2048^3, alone 0.92x), and at 2048^2 a block computes two tiles, so C is
+    read after each k loop; 256-column tiles keep the pairs asked for."""
     builds = []
 
     def recorder(*key):
@@ -1484,7 +1490,8 @@ def test_cute_64_column_tiles_run_alone(monkeypatch):
     monkeypatch.setattr(cute_step2, "compile_hopper", recorder)
     monkeypatch.setattr(cute_step2, "sm_count", lambda device: 132)
     # (size, tile_n, cluster_m, C read before the k loop: one tile a block)
-    for size, tile_n, cluster_m, early in ((1024, 64, 1, True), (2048, 128, 2, False)):
+    cases = ((1024, 64, 1, True), (2048, 128, 1, False), (4096, 256, 2, False))
+    for size, tile_n, cluster_m, early in cases:
         A, B, C = (torch.empty(size, size, dtype=torch.bfloat16) for _ in range(3))
         cute_step2.run_checked(A, B, C, 1.0, 1.0, True, True, False, 2)
         assert builds.pop()[3:] == (128, tile_n, True, True, cluster_m, early, True)
@@ -1760,7 +1767,7 @@ def test_cute_hopper_reads_c_early_with_the_same_bits(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("beta", [BETA, 0.0])
 @pytest.mark.parametrize(
-    "m, n, k, tile_n", [(1000, 1000, 200, 64), (2048, 1030, 200, 128), (2100, 4200, 128, 256)]
+    "m, n, k, tile_n", [(1000, 1000, 200, 64), (2048, 1030, 200, 128), (4100, 4200, 128, 256)]
 )
 def test_cute_hopper_stores_c_by_tma_with_the_same_bits(monkeypatch, dtype, beta, m, n, k, tile_n):
     """The epilogue through shared memory and TMA (stores_by_tma) gives the same bits as the
