@@ -88,6 +88,12 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
+    try:  # step 1's forward; its backward is Triton's for now (cute_impl.py)
+        import cute_impl
+
+        impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
+    except ImportError as error:
+        print(f"cute is not measured: {error}")
     try:
         from flash_attn.cute import flash_attn_func
 

@@ -1,13 +1,17 @@
 """Tests for attention: every implementation, forward and backward, lands within README.md's bound.
 
 Run with `python test.py` (or `nox -s attention` from the top). Without a GPU, torch runs on the
-CPU and Triton under its interpreter at tiny sizes; the GPU adds the model sizes.
+CPU and Triton under its interpreter at tiny sizes, and the CuTe kernel is compiled for sm_90a
+and its PTX read (launching it needs the GPU: those tests say so when they skip); the GPU adds
+the model sizes.
 """
 
+import functools
 import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +25,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # CuTe builds for the H200 without one
 
 import reference
 import torch_impl
@@ -42,11 +47,26 @@ except ImportError as error:  # the folder was copied on its own, without common
         f"two levels up: copy the course's common/ folder to {HERE.parent.parent / 'common'}"
     ) from error
 
+try:
+    import cute_1_tiled
+    import cute_impl
+except ImportError as error:  # no CuTe DSL: its tests skip and say why
+    cute_1_tiled = cute_impl = None
+    CUTE_MISSING = f"cute_impl cannot be imported ({error})"
+else:
+    CUTE_MISSING = None
+
 # (1) Set-up and the bound model ----------------------------------------------------------------
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = {"torch": torch_impl, "triton": triton_impl}
+IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
+needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
+# Implementations a test launches: CuTe's only on a GPU (test_cute_builds_for_hopper checks its
+# build on the CPU); implementations a test only validates with: CuTe's wherever it imports.
+LAUNCHED = ["torch", "triton", pytest.param("cute", marks=[needs_cute, gpu_only])]
+VALIDATED = ["torch", "triton", pytest.param("cute", marks=needs_cute)]
 U32, EX2 = unit_roundoff(torch.float32), APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
 LN2 = math.log(2.0)
 # (B, S_q, S_k, H, H_kv, D): single tokens, primes, S_q != S_k both ways, GQA and MQA, a head
@@ -232,7 +252,7 @@ def test_stand_in_matches_reference():
             assert torch.allclose(lse.cpu().nan_to_num(0, 0, 0), ref_lse.nan_to_num(0, 0, 0))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -243,7 +263,7 @@ def test_matches_definition(impl, dtype, shape, causal):
     check_backward(impl, q, k, v, do, causal)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_reference_at_small_sizes(impl):
     """The implementations against reference.py itself (Python floats, math.fsum)."""
     q, k, v, do = operands(1, 6, 5, 2, 1, 8, torch.float32)
@@ -254,7 +274,7 @@ def test_reference_at_small_sizes(impl):
         assert_within_bound(o, ref_o, bound, f"{impl} O against reference.py")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 @pytest.mark.parametrize("layout", ["bhsd", "strided"])
 def test_strided_operands(impl, layout):
     """(B, H, S, D) tensors seen as (B, S, H, D), and q, k, v as slices of one packed qkv
@@ -276,7 +296,7 @@ def guarded(shape, dtype, margin=2):
     return buffer[tuple(slice(margin, margin + n) for n in shape)], buffer
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_outputs_inside_guard(impl):
     """O, lse, dQ, dK and dV as views inside NaN-filled buffers: every element inside written,
     nothing outside touched."""
@@ -295,7 +315,7 @@ def test_outputs_inside_guard(impl):
     assert (lse.isinf() == seen_none).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_repeatability(impl):
     """Two runs give the same bits: no atomics, fixed orders (GQA's heads summed in order)."""
     q, k, v, do = operands(1, 40, 40, 4, 2, 32, torch.bfloat16)
@@ -304,7 +324,7 @@ def test_repeatability(impl):
         assert_same_bits(first, second, f"{impl} gradient")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_special_values(impl):
     """Scores of 1e4 do not overflow (float32 within the bound); a NaN in one key reaches every
     row that sees it and only those; a query that sees no key has O = 0 and lse = -inf; scores
@@ -327,7 +347,7 @@ def test_special_values(impl):
     assert all(g.isfinite().all() for g in grads)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_negative_controls(impl):
     """The bound rejects the plausible bugs: a key dropped from the softmax, the causal mask
     off by one, and the lse of the neighbouring row."""
@@ -362,7 +382,7 @@ def bad_inputs():
     yield q[..., ::2], k[..., ::2], v[..., ::2], False, None, "contiguous"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VALIDATED)
 @pytest.mark.parametrize("case", range(8))
 def test_bad_input_raises_before_launch(impl, case):
     """A clear error naming the operand, and the outputs untouched."""
@@ -391,7 +411,7 @@ def strided_last(t):
     return t.new_empty(*t.shape[:-1], 2 * t.shape[-1])[..., ::2].copy_(t)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", LAUNCHED)
 @pytest.mark.parametrize("case", range(5))
 def test_bad_backward_input_raises_before_launch(impl, case):
     """The backward's own inputs checked before any launch, every operand untouched (a wrong
@@ -412,7 +432,7 @@ def test_bad_backward_input_raises_before_launch(impl, case):
         assert_same_bits(t, before[name], f"{name} under a refused call")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VALIDATED)
 def test_outputs_must_not_overlap(impl):
     """An output that reaches an input's memory is refused before anything is written."""
     q, k, v, _ = operands(1, 4, 4, 2, 2, 8, torch.float32)
@@ -421,7 +441,7 @@ def test_outputs_must_not_overlap(impl):
         IMPLS[impl].attention_forward(q, k, v, False, None, q, lse)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 def test_autograd_and_compile(impl):
     """The autograd.Function's gradients equal the explicit backward's; torch.compile with
     fullgraph traces the custom op (eager backend: no compiler needed on the CPU)."""
@@ -609,11 +629,221 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
             assert_within_bound(t[name], want, bound, f"fresh {name}")
 
 
+# (4) CuTe-specific --------------------------------------------------------------------------
+
+CUTE_DTYPES = [torch.float16, torch.bfloat16]
+CUTE_HEAD_DIMS = sorted(cute_1_tiled.TILES) if cute_1_tiled else []
+
+
+@functools.cache
+def cute_ptx(dtype, head_dim, causal):
+    """The sm_90a PTX of a CuTe build, compiled once per test session (about 2 s each)."""
+    return cute_impl.ptx_of(dtype, head_dim, causal)
+
+
+def missing_ptx_facts(ptx, dtype, head_dim):
+    """What README.md's CuTe step 1 promises and `ptx` lacks (an empty list: all there): the
+    warp MMA in the dtype with float32 accumulation, as many as two key loops (unmasked,
+    masked) of two products over the tile take, fed by ldmatrix (transposed for V) from
+    buffers cp.async fills 16 bytes at a time; exp2 as ex2.approx.ftz and 1 / l correctly
+    rounded (the bound counts both); 16-byte stores of O; no Hopper-only instruction, no local
+    memory (no register array indexed at run time)."""
+    block_m, block_n = cute_1_tiled.TILES[head_dim]
+    kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    products = (block_m // 64) * (block_n // 8) * (head_dim // 16)  # per warp, S and P V alike
+    expected = {
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32": 2 * 2 * products,
+    }
+    present = ["ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+               "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+               "cp.async.cg.shared.global", "cp.async.wait_group \t1;", "ex2.approx.ftz.f32",
+               "rcp.rn.f32", "st.global.v4"]  # fmt: skip
+    absent = ["wgmma", "cp.async.bulk", "ld.local", "st.local", "rcp.approx", "div.approx"]
+    missing = [f"{n} x {instruction}" for instruction, n in expected.items()
+               if ptx.count(instruction) != n]  # fmt: skip
+    missing += [instruction for instruction in present if instruction not in ptx]
+    missing += [f"no {instruction}" for instruction in absent if instruction in ptx]
+    if "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
+        missing.append("16-byte cp.async")
+    return missing
+
+
+@needs_cute
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
+def test_cute_builds_for_hopper(dtype, head_dim, causal):
+    """Every specialisation the CuTe forward is built for compiles for sm_90a (no GPU) into
+    warp-level MMA fed by ldmatrix and cp.async, with the instructions the bound counts."""
+    assert missing_ptx_facts(cute_ptx(dtype, head_dim, causal), dtype, head_dim) == []
+
+
+@needs_cute
+def test_cute_ptx_check_rejects_other_builds():
+    """Negative control of the check above: another head dimension's build (its MMA count),
+    the other dtype's (its MMA type), and the PTX with its MMAs or its cp.async removed."""
+    ptx = cute_ptx(torch.bfloat16, 64, False)
+    assert missing_ptx_facts(ptx, torch.bfloat16, 64) == []
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False), torch.bfloat16, 64)
+    assert missing_ptx_facts(ptx, torch.float16, 64)
+    for instruction in ("mma.sync", "cp.async.cg"):
+        stripped = "\n".join(line for line in ptx.splitlines() if instruction not in line)
+        assert missing_ptx_facts(stripped, torch.bfloat16, 64)
+
+
+@needs_cute
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (the CUDA toolkit's)")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+def test_cute_tiles_fit_the_registers(head_dim, causal, tmp_path):
+    """ptxas for sm_90a fits each bf16 build in the registers without spilling: the reason
+    cute_1_tiled.TILES gives for its tiles."""
+    source = tmp_path / "forward.ptx"
+    source.write_text(cute_ptx(torch.bfloat16, head_dim, causal))
+    done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "o")],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"this ptxas cannot assemble the DSL's PTX: {done.stderr[-300:]}")
+    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
+
+
+@needs_cute
+def test_cute_routes_what_the_kernel_does_not_take():
+    """kernel_takes (operands already validated): 16-bit D = 64 and 128 with 16-byte aligned
+    rows run the CuTe kernel, (B, H, S, D) views and packed qkv slices included; float32,
+    other head dimensions and misaligned bases or strides go to Triton (negative controls)."""
+    q, k, v, _ = operands(1, 5, 7, 4, 2, 64, torch.bfloat16)
+    assert cute_impl.kernel_takes(q, k, v, torch.empty_like(q))
+    bhsd = operands(1, 5, 7, 4, 2, 128, torch.float16, layout="bhsd")
+    assert cute_impl.kernel_takes(*bhsd[:3], torch.empty_like(bhsd[0]))
+    qkv = torch.randn(1, 5, 4 + 2 + 2, 64, dtype=torch.bfloat16)
+    assert cute_impl.kernel_takes(qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:], torch.empty_like(q))
+    q32, k32, v32, _ = operands(1, 5, 7, 4, 2, 64, torch.float32)
+    assert not cute_impl.kernel_takes(q32, k32, v32, torch.empty_like(q32))
+    q80, k80, v80, _ = operands(1, 5, 7, 4, 2, 80, torch.bfloat16)
+    assert not cute_impl.kernel_takes(q80, k80, v80, torch.empty_like(q80))
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert not cute_impl.kernel_takes(q, k, v, shifted)
+    wide = torch.randn(1, 5, 4, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte head stride
+    assert not cute_impl.kernel_takes(wide, k, v, torch.empty_like(q))
+
+
+@needs_cute
+@pytest.mark.skipif(ON_GPU, reason="the CPU refusal; the GPU runs the kernel")
+def test_cute_refuses_cpu_tensors():
+    """Valid operands on the CPU: a clear error after the validation, the outputs untouched."""
+    q, k, v, _ = operands(1, 4, 4, 2, 1, 64, torch.bfloat16)
+    o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 4), 7.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        cute_impl.attention_forward(q, k, v, False, None, o, lse)
+    assert (o == 7).all() and (lse == 7).all()
+
+
+def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None):
+    """check_forward on the CuTe implementation, asserting that its kernel (not Triton's) ran."""
+    o = torch.empty_like(q) if o is None else o
+    assert cute_impl.kernel_takes(q, k, v, o), "these operands would go to Triton"
+    return check_forward("cute", q, k, v, causal, scale, o, lse)
+
+
+# (B, S_q, S_k, H, H_kv): one token, a decode step over a cache, primes, S_q above and below
+# S_k (the diagonal shifted both ways, rows that see no key), whole 64-row tiles, MQA.
+CUTE_SHAPES = [
+    (1, 1, 1, 1, 1), (2, 1, 300, 4, 1), (1, 127, 131, 4, 2), (1, 200, 70, 2, 2),
+    (1, 70, 200, 2, 1), (2, 64, 128, 3, 3), (1, 129, 1000, 2, 1),
+]  # fmt: skip
+
+
+@needs_cute
+@gpu_only
+@pytest.mark.parametrize("shape", CUTE_SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
+def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape):
+    """The CuTe kernel itself (not the Triton route) within README.md's forward bound: tails of
+    every length, the causal diagonal both ways, GQA and MQA, fully masked rows."""
+    torch.manual_seed(sum(shape) + head_dim)
+    batch, s_q, s_k, heads, heads_kv = shape
+    q, k, v, _ = operands(batch, s_q, s_k, heads, heads_kv, head_dim, dtype)
+    o, lse = check_cute_forward(q, k, v, causal)
+    if causal and s_q > s_k:
+        assert (o[:, : s_q - s_k] == 0).all() and (lse[:, :, : s_q - s_k] == -math.inf).all()
+
+
+@needs_cute
+@gpu_only
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+def test_cute_kernel_strided_operands(layout, head_dim):
+    """(B, H, S, D) tensors seen as (B, S, H, D) and q, k, v sliced from one packed qkv, through
+    the CuTe kernel, with a scale given."""
+    torch.manual_seed(5)
+    if layout == "bhsd":
+        q, k, v, _ = operands(2, 77, 93, 4, 2, head_dim, torch.bfloat16, layout)
+    else:
+        qkv = torch.randn(2, 77, 4 + 2 + 2, head_dim, device=DEVICE).to(torch.bfloat16)
+        q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+    for causal in (False, True):
+        check_cute_forward(q, k, v, causal, scale=0.3)
+
+
+@needs_cute
+@gpu_only
+def test_cute_kernel_special_values():
+    """Through the CuTe kernel: scores of about 1e4, a NaN key reaching exactly the rows that
+    see it, no key at all (S_k = 0)."""
+    q, k, v, _ = operands(1, 70, 70, 2, 2, 64, torch.bfloat16)
+    check_cute_forward(q * 25, k * 25, v, False)  # |scores| up to about 1e4
+    k_nan = k.clone()
+    k_nan[0, 66, 0, 0] = math.nan
+    o, lse = check_cute_forward(q, k_nan, v, True)
+    assert o[0, :66, 0].isfinite().all() and o[0, 66:, 0].isnan().all()
+    assert lse[0, 0, 66:].isnan().all() and o[0, :, 1].isfinite().all()
+    o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 70), 7.0, device=DEVICE)
+    cute_impl.attention_forward(q, k[:, :0], v[:, :0], False, None, o, lse)
+    assert (o == 0).all() and (lse == -math.inf).all()
+
+
+@needs_cute
+@gpu_only
+def test_cute_kernel_outputs_inside_guard():
+    """O as a 16-byte aligned view inside a NaN-filled buffer (so the kernel takes it) and lse
+    as a view of another: every element inside written, nothing outside touched."""
+    q, k, v, _ = operands(2, 75, 75, 3, 1, 64, torch.float16)
+    o_buffer = torch.full((4, 79, 5, 80), math.nan, device=DEVICE, dtype=q.dtype)
+    o = o_buffer[1:3, 2:77, 1:4, 8:72]
+    lse, lse_buffer = guarded((2, 3, 75), torch.float32)
+    check_cute_forward(q, k, v, True, o=o, lse=lse)
+    inside = torch.zeros_like(o_buffer, dtype=torch.bool)
+    inside[1:3, 2:77, 1:4, 8:72] = True
+    assert o_buffer[~inside].isnan().all(), "an element outside O was written"
+    assert lse_buffer.isnan().sum() == lse_buffer.numel() - lse.numel()
+
+
+@needs_cute
+@gpu_only
+def test_cute_kernel_offsets_past_int32():
+    """A second batch whose q, k, v (one buffer) and O (another) start past 2**31 elements
+    (8.6 GB of bf16 in all): offsets formed in 32 bits would read and write the first batch's
+    rows."""
+    batch_stride = 2**31 + 64  # elements, a multiple of 8
+    s, heads, head_dim = 100, 2, 64
+    rows = s * heads * head_dim
+    shape, strides = (2, s, heads, head_dim), (batch_stride, heads * head_dim, head_dim, 1)
+    inputs = torch.zeros(batch_stride + 3 * rows, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = (inputs.as_strided(shape, strides, n * rows) for n in range(3))  # interleaved
+    for t in (q, k, v):
+        t.copy_(torch.randn(shape, device=DEVICE))
+    o = torch.full((batch_stride + rows,), math.nan, device=DEVICE, dtype=torch.bfloat16)
+    check_cute_forward(q, k, v, True, o=o.as_strided(shape, strides))
+
+
 # (5) GPU-only sizes ---------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(not ON_GPU, reason="model sizes need a GPU (the interpreter is too slow)")
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", LAUNCHED)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_model_sizes_against_float64(impl, head_dim, causal):
