@@ -88,10 +88,13 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # step 1's forward; its backward is Triton's for now (cute_impl.py)
+    try:  # the CuTe forwards, steps 1 and 2; their backward is Triton's for now (cute_impl.py)
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
+        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
+            q, k, v, causal=causal
+        )
     except ImportError as error:
         print(f"cute is not measured: {error}")
     try:

@@ -9,6 +9,11 @@ dimensions, misaligned views) runs Triton's forward (triton_impl.attention_forwa
 explicit check, `kernel_takes`. The backward is not written in CuTe yet (steps 2 and 3 bring
 it): `attention_backward` is triton_impl's, which reads the lse this forward writes (float32,
 natural log). Both validate every operand (reference.check_operands) before any launch.
+
+`attention_forward_step2` runs step 2's kernel (cute_2_wgmma.py: TMA, wgmma and warp
+specialisation, Hopper only) on the same operands, routed the same way (TMA also needs the
+strides positive). It is not yet the default: the public forward switches to it once it has
+passed its tests on the GPU.
 """
 
 import functools
@@ -20,6 +25,7 @@ import cutlass.cute as cute
 import torch
 
 import cute_1_tiled
+import cute_2_wgmma
 import triton_impl
 from reference import check_operands, default_scale, forward_outputs
 from torch_impl import model_plumbing
@@ -35,17 +41,25 @@ def aligned(t):
     return t.data_ptr() % ALIGN_BYTES == 0 and all(s % per_vector == 0 for s in t.stride()[:3])
 
 
-def kernel_takes(q, k, v, o):
-    """Whether step 1's kernel runs these (validated) operands: 16-bit dtype, a head dimension
-    it is built for, every tensor `aligned`. The rest goes to Triton."""
+# The CuTe steps' kernels by number: step 1 (warp-level MMA) is the default; step 2 (TMA and
+# wgmma, Hopper only) runs where asked for (`attention_forward_step2`).
+STEPS = {1: cute_1_tiled, 2: cute_2_wgmma}
+
+
+def kernel_takes(q, k, v, o, step=1):
+    """Whether step `step`'s kernel runs these (validated) operands: 16-bit dtype, a head
+    dimension it is built for, every tensor `aligned` (16-byte rows: cp.async's vectors in step
+    1, TMA's descriptors in step 2). The rest goes to Triton."""
     return (
         q.dtype in TORCH_TO_CUTLASS
-        and q.shape[3] in cute_1_tiled.TILES
+        and q.shape[3] in STEPS[step].TILES
         and all(aligned(t) for t in (q, k, v, o))
+        # A TMA descriptor's strides must be positive: an expanded (stride 0) view stays off it.
+        and (step == 1 or all(s > 0 for t in (q, k, v, o) for s in t.stride()[:3]))
     )
 
 
-def build(dtype, head_dim, causal, options=""):
+def build(dtype, head_dim, causal, options="", step=1):
     """cute.compile the launcher for TVM-FFI calls on torch tensors, on torch's current
     stream. q and o share the symbols (B, S_q, H), k and v (B, S_k, H_kv); D is a constant;
     the strides are 64-bit symbols, multiples of 8 elements, on 16-byte aligned bases; lse
@@ -67,29 +81,36 @@ def build(dtype, head_dim, causal, options=""):
     k, v = operand(s_k, heads_kv), operand(s_k, heads_kv)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        cute_1_tiled.launch_forward, q, k, v, o, lse, 1.0, stream, head_dim, causal,
+        STEPS[step].launch_forward, q, k, v, o, lse, 1.0, stream, head_dim, causal,
         options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
 @functools.cache
-def compile_forward(dtype, head_dim, causal):
-    """The compiled forward for (dtype, D, causal), built once (seconds, no GPU needed)."""
-    return build(dtype, head_dim, causal).__tvm_ffi_object__()
+def compile_forward(dtype, head_dim, causal, step=1):
+    """The compiled forward for (dtype, D, causal) of step `step`, built once (seconds, no GPU
+    needed)."""
+    return build(dtype, head_dim, causal, step=step).__tvm_ffi_object__()
 
 
-def ptx_of(dtype, head_dim, causal):
-    """The sm_90a PTX of a build: what the tests read for mma.sync, ldmatrix and cp.async."""
+def ptx_of(dtype, head_dim, causal, step=1):
+    """The sm_90a PTX of a build: what the tests read (step 1: mma.sync, ldmatrix and
+    cp.async; step 2: wgmma, TMA and mbarriers)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(dtype, head_dim, causal, options).__ptx__
+        return build(dtype, head_dim, causal, options, step).__ptx__
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
+    return run_forward(q, k, v, causal, scale, o, lse, step=1)
+
+
+def run_forward(q, k, v, causal, scale, o, lse, step):
+    """The forward on CuTe step `step`'s kernel where it takes the operands, else Triton's."""
     check_operands(q, k, v, causal, scale, forward_outputs(q, o, lse))
     if not q.is_cuda:
         raise ValueError(f"the operands are on {q.device}; the CuTe kernel needs CUDA tensors")
-    if not kernel_takes(q, k, v, o):  # float32, another D, a misaligned view: Triton's kernel
+    if not kernel_takes(q, k, v, o, step):  # float32, another D, misaligned: Triton's kernel
         return triton_impl.attention_forward(q, k, v, causal, scale, o, lse)
     if o.numel() == 0:
         return o, lse
@@ -98,10 +119,17 @@ def attention_forward(q, k, v, causal, scale, o, lse):
         lse.fill_(-math.inf)
         return o, lse
     scale_log2 = default_scale(q.shape[3], scale) * cute_1_tiled.LOG2E
-    kernel = compile_forward(q.dtype, q.shape[3], causal)
+    kernel = compile_forward(q.dtype, q.shape[3], causal, step)
     with torch.cuda.device(q.device):
         kernel(q, k, v, o, lse, scale_log2)
     return o, lse
+
+
+def attention_forward_step2(q, k, v, causal, scale, o, lse):
+    """The forward on step 2's kernel (cute_2_wgmma.py: TMA, wgmma, warp specialisation; a
+    Hopper GPU), with attention_forward's validation and routing. Not yet the default: the
+    public forward switches to it once it passes its tests on the GPU."""
+    return run_forward(q, k, v, causal, scale, o, lse, step=2)
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
@@ -113,3 +141,5 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
 AttentionFunction, attention, _forward_op = model_plumbing(
     "cute", attention_forward, attention_backward
 )
+# Step 2 in a model's place (bench.py times it beside step 1), until it becomes the default.
+_, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2, attention_backward)

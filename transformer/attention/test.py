@@ -6,15 +6,18 @@ and its PTX read (launching it needs the GPU: those tests say so when they skip)
 the model sizes.
 """
 
+import collections
 import functools
 import inspect
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -48,10 +51,16 @@ except ImportError as error:  # the folder was copied on its own, without common
     ) from error
 
 try:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
     import cute_1_tiled
+    import cute_2_wgmma
     import cute_impl
 except ImportError as error:  # no CuTe DSL: its tests skip and say why
-    cute_1_tiled = cute_impl = None
+    cute_1_tiled = cute_2_wgmma = cute_impl = None
     CUTE_MISSING = f"cute_impl cannot be imported ({error})"
 else:
     CUTE_MISSING = None
@@ -61,6 +70,10 @@ else:
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
+if cute_impl is not None:  # step 2's forward, called explicitly (not yet the default)
+    IMPLS["cute step 2"] = types.SimpleNamespace(
+        attention_forward=cute_impl.attention_forward_step2
+    )
 needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
 # Implementations a test launches: CuTe's only on a GPU (test_cute_builds_for_hopper checks its
@@ -633,73 +646,125 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 
 CUTE_DTYPES = [torch.float16, torch.bfloat16]
 CUTE_HEAD_DIMS = sorted(cute_1_tiled.TILES) if cute_1_tiled else []
+# The CuTe steps a test runs over: step 1 (warp-level MMA, the public forward) and step 2 (TMA
+# and wgmma, cute_impl.attention_forward_step2, not yet the default).
+CUTE_STEPS = [1, 2]
 
 
 @functools.cache
-def cute_ptx(dtype, head_dim, causal):
+def cute_ptx(dtype, head_dim, causal, step=1):
     """The sm_90a PTX of a CuTe build, compiled once per test session (about 2 s each)."""
-    return cute_impl.ptx_of(dtype, head_dim, causal)
+    return cute_impl.ptx_of(dtype, head_dim, causal, step)
 
 
-def missing_ptx_facts(ptx, dtype, head_dim):
-    """What README.md's CuTe step 1 promises and `ptx` lacks (an empty list: all there): the
-    warp MMA in the dtype with float32 accumulation, as many as two key loops (unmasked,
-    masked) of two products over the tile take, fed by ldmatrix (transposed for V) from
-    buffers cp.async fills 16 bytes at a time; exp2 as ex2.approx.ftz and 1 / l correctly
-    rounded (the bound counts both); 16-byte stores of O; no Hopper-only instruction, no local
-    memory (no register array indexed at run time)."""
+def step1_ptx_promises(kind, head_dim):
+    """README.md's CuTe step 1: the warp MMA in the dtype with float32 accumulation, as many as
+    two key loops (unmasked, masked) of two products over the tile take, fed by ldmatrix
+    (transposed for V) from buffers cp.async fills 16 bytes at a time; 16-byte stores of O; no
+    Hopper-only instruction. As (instruction counts, present, absent)."""
     block_m, block_n = cute_1_tiled.TILES[head_dim]
-    kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     products = (block_m // 64) * (block_n // 8) * (head_dim // 16)  # per warp, S and P V alike
-    expected = {
-        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32": 2 * 2 * products,
-    }
+    expected = {f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32": 2 * 2 * products}
     present = ["ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-               "cp.async.cg.shared.global", "cp.async.wait_group \t1;", "ex2.approx.ftz.f32",
-               "rcp.rn.f32", "st.global.v4"]  # fmt: skip
-    absent = ["wgmma", "cp.async.bulk", "ld.local", "st.local", "rcp.approx", "div.approx"]
-    missing = [f"{n} x {instruction}" for instruction, n in expected.items()
-               if ptx.count(instruction) != n]  # fmt: skip
+               "cp.async.cg.shared.global", "cp.async.wait_group \t1;", "st.global.v4"]  # fmt: skip
+    return expected, present, ["wgmma", "cp.async.bulk"]
+
+
+def step2_ptx_promises(kind, head_dim):
+    """The map of cute_2_wgmma.py: two key loops of wgmmas, S's (64 x BLOCK_N, D / 16 of them
+    a tile) and P V's (64 x D, BLOCK_N / 16, P's A operand in registers); TMA loads completing
+    on mbarriers, the TMA store of O written by stmatrix; the producer's and consumers'
+    setmaxnreg; no warp-level MMA, no ldmatrix (S and P never leave the registers), no cp.async
+    of step 1's. As (instruction counts, present, absent)."""
+    block_n, _ = cute_2_wgmma.TILES[head_dim]
+    wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
+    expected = collections.Counter({wgmma.format(block_n): 2 * head_dim // 16})
+    expected[wgmma.format(head_dim)] += 2 * block_n // 16
+    expected[REGISTER_A_WGMMA] = 2 * block_n // 16
+    present = ["cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
+               "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group",
+               "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "stmatrix.sync.aligned",
+               "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group",
+               f"setmaxnreg.dec.sync.aligned.u32 \t{cute_2_wgmma.PRODUCER_REGISTERS};",
+               f"setmaxnreg.inc.sync.aligned.u32 \t{cute_2_wgmma.CONSUMER_REGISTERS};"]  # fmt: skip
+    return expected, present, ["mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group"]
+
+
+# A wgmma whose A operand is a vector of registers ("{...}, {") rather than a descriptor.
+REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\S* \{[^}]*\}, \{")
+
+
+def missing_ptx_facts(ptx, dtype, head_dim, step=1):
+    """What README.md's CuTe step `step` promises and `ptx` lacks (an empty list: all there):
+    the step's own instructions and counts (step1_ptx_promises, step2_ptx_promises), and for
+    every step exp2 as ex2.approx.ftz and 1 / l correctly rounded (the bound counts both), no
+    local memory (no register array indexed at run time)."""
+    kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    promises = {1: step1_ptx_promises, 2: step2_ptx_promises}[step]
+    expected, present, absent = promises(kind, head_dim)
+    present = [*present, "ex2.approx.ftz.f32", "rcp.rn.f32"]
+    absent = [*absent, "ld.local", "st.local", "rcp.approx", "div.approx"]
+
+    def count(instruction):
+        if isinstance(instruction, re.Pattern):
+            return len(instruction.findall(ptx))
+        return ptx.count(instruction)
+
+    missing = [f"{n} x {getattr(instruction, 'pattern', instruction)}"
+               for instruction, n in expected.items() if count(instruction) != n]  # fmt: skip
     missing += [instruction for instruction in present if instruction not in ptx]
     missing += [f"no {instruction}" for instruction in absent if instruction in ptx]
-    if "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
+    if step == 1 and "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
         missing.append("16-byte cp.async")
     return missing
 
 
 @needs_cute
+@pytest.mark.parametrize("step", CUTE_STEPS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
-def test_cute_builds_for_hopper(dtype, head_dim, causal):
-    """Every specialisation the CuTe forward is built for compiles for sm_90a (no GPU) into
-    warp-level MMA fed by ldmatrix and cp.async, with the instructions the bound counts."""
-    assert missing_ptx_facts(cute_ptx(dtype, head_dim, causal), dtype, head_dim) == []
+def test_cute_builds_for_hopper(dtype, head_dim, causal, step):
+    """Every specialisation each CuTe forward is built for compiles for sm_90a (no GPU) into
+    the instructions its step promises (step 1: warp-level MMA fed by ldmatrix and cp.async;
+    step 2: wgmma fed by TMA and mbarriers), with the instructions the bound counts."""
+    ptx = cute_ptx(dtype, head_dim, causal, step)
+    assert missing_ptx_facts(ptx, dtype, head_dim, step) == []
 
 
 @needs_cute
-def test_cute_ptx_check_rejects_other_builds():
+@pytest.mark.parametrize("step", CUTE_STEPS)
+def test_cute_ptx_check_rejects_other_builds(step):
     """Negative control of the check above: another head dimension's build (its MMA count),
-    the other dtype's (its MMA type), and the PTX with its MMAs or its cp.async removed."""
-    ptx = cute_ptx(torch.bfloat16, 64, False)
-    assert missing_ptx_facts(ptx, torch.bfloat16, 64) == []
-    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False), torch.bfloat16, 64)
-    assert missing_ptx_facts(ptx, torch.float16, 64)
-    for instruction in ("mma.sync", "cp.async.cg"):
+    the other dtype's (its MMA type), the other step's build, and the PTX with its MMAs or its
+    loads removed."""
+    ptx = cute_ptx(torch.bfloat16, 64, False, step)
+    assert missing_ptx_facts(ptx, torch.bfloat16, 64, step) == []
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False, step), torch.bfloat16, 64, step)
+    assert missing_ptx_facts(ptx, torch.float16, 64, step)
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 64, False, 3 - step), torch.bfloat16, 64,
+                             step)  # fmt: skip
+    stripped_instructions = {
+        1: ("mma.sync", "cp.async.cg"),
+        2: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix"),
+    }
+    for instruction in stripped_instructions[step]:
         stripped = "\n".join(line for line in ptx.splitlines() if instruction not in line)
-        assert missing_ptx_facts(stripped, torch.bfloat16, 64)
+        assert missing_ptx_facts(stripped, torch.bfloat16, 64, step)
 
 
 @needs_cute
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (the CUDA toolkit's)")
+@pytest.mark.parametrize("step", CUTE_STEPS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
-def test_cute_tiles_fit_the_registers(head_dim, causal, tmp_path):
+def test_cute_tiles_fit_the_registers(head_dim, causal, step, tmp_path):
     """ptxas for sm_90a fits each bf16 build in the registers without spilling: the reason
-    cute_1_tiled.TILES gives for its tiles."""
+    cute_1_tiled.TILES gives for its tiles, and cute_2_wgmma.TILES for its (within the
+    consumers' setmaxnreg budget, which ptxas honours: 168 spills at D = 128)."""
     source = tmp_path / "forward.ptx"
-    source.write_text(cute_ptx(torch.bfloat16, head_dim, causal))
+    source.write_text(cute_ptx(torch.bfloat16, head_dim, causal, step))
     done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "o")],
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
@@ -708,10 +773,99 @@ def test_cute_tiles_fit_the_registers(head_dim, causal, tmp_path):
 
 
 @needs_cute
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+def test_cute_step2_operand_layouts(head_dim):
+    """Step 2's register and shared-memory operands, checked on the layouts (no GPU): P, S's
+    accumulator reshaped by as_a_operand, holds for each thread exactly the (row, key)
+    elements that the register A operand of P V's wgmma expects, in its order; by_rows gives a
+    thread rows r and r + 8 of its warp's 16 and column pairs 8 apart (the quad's share); V's
+    ring seen transposed is the MN-major 128-byte-swizzled layout sm90_utils gives a B
+    operand whose N (D) is contiguous. Negative control: slices paired 8 steps apart
+    (`pairs_slices_far_apart`) are not the A operand."""
+    facts = cute_2_wgmma_layout_facts(head_dim)
+    assert facts["p_is_a_operand"] == [True] * 4, facts
+    assert not any(facts["far_is_a_operand"]), "the check cannot tell a wrong pairing"
+    assert facts["v_is_mn_major"], facts
+    assert facts["rows"] == f"(2,2,{cute_2_wgmma.TILES[head_dim][0] // 8}):(8@0,1@1,8@1)"
+
+
+# What check_step2_layouts found while tracing (a @cute.jit function returns nothing here).
+STEP2_LAYOUT_FACTS = collections.defaultdict(dict)
+
+
+def cute_2_wgmma_layout_facts(head_dim):
+    """Compile check_step2_layouts for a few threads (no kernel, layout algebra only); what it
+    found, as strings and booleans."""
+    facts = STEP2_LAYOUT_FACTS[head_dim]
+    if not facts:
+        block_n, stages = cute_2_wgmma.TILES[head_dim]
+        for thread in (0, 1, 37, 127):
+            cute.compile(check_step2_layouts, head_dim, block_n, stages, thread)
+    return facts
+
+
+def fragment_text(coords):
+    """A k step's fragment of coordinates as text: its first (row, column) and its layout."""
+    return f"{coords.iterator} {cute.coalesce(coords.layout)}"
+
+
+def pairs_slices_far_apart(p):
+    """A plausible wrong as_a_operand (the negative control): each k step made of the 8-column
+    slices j and j + BLOCK_N / 16 instead of 2 j and 2 j + 1."""
+    steps = cute.size(p.layout.shape[0][2]) // 2
+    split = cute.logical_divide(p.layout, ((None, None, steps), None, None))
+    (pair, half, (steps, two)), mma_m, mma_n = split.shape
+    (pair_s, half_s, (steps_s, two_s)), m_s, n_s = split.stride
+    return cute.make_tensor(
+        p.iterator,
+        cute.make_layout(
+            ((pair, half, two), mma_m, (steps, mma_n)),
+            stride=((pair_s, half_s, two_s), m_s, (steps_s, n_s)),
+        ),  # fmt: skip
+    )
+
+
+if cute_impl is not None:  # @cute.jit needs the DSL
+
+    @cute.jit
+    def check_step2_layouts(
+        head_dim: cutlass.Constexpr, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
+        thread: cutlass.Constexpr,
+    ):  # fmt: skip
+        """Trace-time layout algebra (the coordinates of identity tensors, static for a static
+        thread) recorded into STEP2_LAYOUT_FACTS[head_dim]."""
+        facts = STEP2_LAYOUT_FACTS[head_dim]
+        dtype = cutlass.BFloat16
+        mma_qk, mma_pv = cute_2_wgmma.tiled_mmas(dtype, head_dim, block_n)
+        tile = cute.make_identity_tensor((cute_2_wgmma.WGMMA_M, block_n))
+        s_coords = mma_qk.get_slice(thread).partition_C(tile)
+        a_coords = mma_pv.get_slice(thread).partition_A(tile)
+        p_coords = cute_2_wgmma.as_a_operand(s_coords)
+        far_coords = pairs_slices_far_apart(s_coords)
+        p_same, far_same = True, True
+        for kk in cutlass.range_constexpr(cute.size(a_coords, mode=[2])):  # the k steps of P V
+            want = fragment_text(a_coords[None, None, kk])
+            p_same = p_same and fragment_text(p_coords[None, None, kk]) == want
+            far_same = far_same and fragment_text(far_coords[None, None, kk]) == want
+        facts.setdefault("p_is_a_operand", []).append(p_same)
+        facts.setdefault("far_is_a_operand", []).append(far_same)
+        facts["rows"] = str(cute.coalesce(cute_2_wgmma.by_rows(s_coords).layout))
+        _, kv_layout = cute_2_wgmma.smem_layouts(dtype, head_dim, block_n, stages)
+        v_t = cute_2_wgmma.transposed(kv_layout.outer, head_dim, block_n, stages)
+        mn_major = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (cute_2_wgmma.WGMMA_M, head_dim, block_n), dtype, stages
+        )
+        facts["v_is_mn_major"] = str(cute.coalesce(v_t)) == str(
+            cute.coalesce(mn_major.outer)
+        ) and str(mn_major.inner) == str(kv_layout.inner)
+
+
+@needs_cute
 def test_cute_routes_what_the_kernel_does_not_take():
     """kernel_takes (operands already validated): 16-bit D = 64 and 128 with 16-byte aligned
     rows run the CuTe kernel, (B, H, S, D) views and packed qkv slices included; float32,
-    other head dimensions and misaligned bases or strides go to Triton (negative controls)."""
+    other head dimensions and misaligned bases or strides go to Triton (negative controls).
+    Step 2 takes the same, less views with a zero stride (TMA's strides must be positive)."""
     q, k, v, _ = operands(1, 5, 7, 4, 2, 64, torch.bfloat16)
     assert cute_impl.kernel_takes(q, k, v, torch.empty_like(q))
     bhsd = operands(1, 5, 7, 4, 2, 128, torch.float16, layout="bhsd")
@@ -726,24 +880,36 @@ def test_cute_routes_what_the_kernel_does_not_take():
     assert not cute_impl.kernel_takes(q, k, v, shifted)
     wide = torch.randn(1, 5, 4, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte head stride
     assert not cute_impl.kernel_takes(wide, k, v, torch.empty_like(q))
+    # Step 2 takes the same, but an expanded (stride 0) view no TMA descriptor can describe.
+    assert cute_impl.kernel_takes(q, k, v, torch.empty_like(q), step=2)
+    assert cute_impl.kernel_takes(*bhsd[:3], torch.empty_like(bhsd[0]), step=2)
+    assert not cute_impl.kernel_takes(q32, k32, v32, torch.empty_like(q32), step=2)
+    shared = k[:, :1].expand(k.shape)  # one key row for every position: sequence stride 0
+    assert cute_impl.kernel_takes(q, shared, v, torch.empty_like(q))
+    assert not cute_impl.kernel_takes(q, shared, v, torch.empty_like(q), step=2)
 
 
 @needs_cute
 @pytest.mark.skipif(ON_GPU, reason="the CPU refusal; the GPU runs the kernel")
-def test_cute_refuses_cpu_tensors():
+@pytest.mark.parametrize("step", CUTE_STEPS)
+def test_cute_refuses_cpu_tensors(step):
     """Valid operands on the CPU: a clear error after the validation, the outputs untouched."""
     q, k, v, _ = operands(1, 4, 4, 2, 1, 64, torch.bfloat16)
     o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 4), 7.0)
     with pytest.raises(ValueError, match="CUDA"):
-        cute_impl.attention_forward(q, k, v, False, None, o, lse)
+        IMPLS[CUTE_IMPLS[step]].attention_forward(q, k, v, False, None, o, lse)
     assert (o == 7).all() and (lse == 7).all()
 
 
-def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None):
-    """check_forward on the CuTe implementation, asserting that its kernel (not Triton's) ran."""
+def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None, step=1):
+    """check_forward on CuTe step `step`'s forward, asserting that its kernel (not Triton's)
+    ran."""
     o = torch.empty_like(q) if o is None else o
-    assert cute_impl.kernel_takes(q, k, v, o), "these operands would go to Triton"
-    return check_forward("cute", q, k, v, causal, scale, o, lse)
+    assert cute_impl.kernel_takes(q, k, v, o, step), "these operands would go to Triton"
+    return check_forward(CUTE_IMPLS[step], q, k, v, causal, scale, o, lse)
+
+
+CUTE_IMPLS = {1: "cute", 2: "cute step 2"}  # IMPLS's names of the steps' forwards
 
 
 # (B, S_q, S_k, H, H_kv): one token, a decode step over a cache, primes, S_q above and below
@@ -756,26 +922,30 @@ CUTE_SHAPES = [
 
 @needs_cute
 @gpu_only
+@pytest.mark.parametrize("step", CUTE_STEPS)
 @pytest.mark.parametrize("shape", CUTE_SHAPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
-def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape):
-    """The CuTe kernel itself (not the Triton route) within README.md's forward bound: tails of
-    every length, the causal diagonal both ways, GQA and MQA, fully masked rows."""
+def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape, step):
+    """Each CuTe step's kernel itself (not the Triton route) within README.md's forward bound:
+    tails of every length, the causal diagonal both ways, GQA and MQA, fully masked rows (and,
+    in step 2, rows past S_q in a consumer's 64 and a ring of 2 or 3 stages wrapping around
+    its mbarrier phases several times at S_k = 1000)."""
     torch.manual_seed(sum(shape) + head_dim)
     batch, s_q, s_k, heads, heads_kv = shape
     q, k, v, _ = operands(batch, s_q, s_k, heads, heads_kv, head_dim, dtype)
-    o, lse = check_cute_forward(q, k, v, causal)
+    o, lse = check_cute_forward(q, k, v, causal, step=step)
     if causal and s_q > s_k:
         assert (o[:, : s_q - s_k] == 0).all() and (lse[:, :, : s_q - s_k] == -math.inf).all()
 
 
 @needs_cute
 @gpu_only
+@pytest.mark.parametrize("step", CUTE_STEPS)
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
-def test_cute_kernel_strided_operands(layout, head_dim):
+def test_cute_kernel_strided_operands(layout, head_dim, step):
     """(B, H, S, D) tensors seen as (B, S, H, D) and q, k, v sliced from one packed qkv, through
     the CuTe kernel, with a scale given."""
     torch.manual_seed(5)
@@ -785,36 +955,38 @@ def test_cute_kernel_strided_operands(layout, head_dim):
         qkv = torch.randn(2, 77, 4 + 2 + 2, head_dim, device=DEVICE).to(torch.bfloat16)
         q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
     for causal in (False, True):
-        check_cute_forward(q, k, v, causal, scale=0.3)
+        check_cute_forward(q, k, v, causal, scale=0.3, step=step)
 
 
 @needs_cute
 @gpu_only
-def test_cute_kernel_special_values():
+@pytest.mark.parametrize("step", CUTE_STEPS)
+def test_cute_kernel_special_values(step):
     """Through the CuTe kernel: scores of about 1e4, a NaN key reaching exactly the rows that
     see it, no key at all (S_k = 0)."""
     q, k, v, _ = operands(1, 70, 70, 2, 2, 64, torch.bfloat16)
-    check_cute_forward(q * 25, k * 25, v, False)  # |scores| up to about 1e4
+    check_cute_forward(q * 25, k * 25, v, False, step=step)  # |scores| up to about 1e4
     k_nan = k.clone()
     k_nan[0, 66, 0, 0] = math.nan
-    o, lse = check_cute_forward(q, k_nan, v, True)
+    o, lse = check_cute_forward(q, k_nan, v, True, step=step)
     assert o[0, :66, 0].isfinite().all() and o[0, 66:, 0].isnan().all()
     assert lse[0, 0, 66:].isnan().all() and o[0, :, 1].isfinite().all()
     o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 70), 7.0, device=DEVICE)
-    cute_impl.attention_forward(q, k[:, :0], v[:, :0], False, None, o, lse)
+    IMPLS[CUTE_IMPLS[step]].attention_forward(q, k[:, :0], v[:, :0], False, None, o, lse)
     assert (o == 0).all() and (lse == -math.inf).all()
 
 
 @needs_cute
 @gpu_only
-def test_cute_kernel_outputs_inside_guard():
+@pytest.mark.parametrize("step", CUTE_STEPS)
+def test_cute_kernel_outputs_inside_guard(step):
     """O as a 16-byte aligned view inside a NaN-filled buffer (so the kernel takes it) and lse
     as a view of another: every element inside written, nothing outside touched."""
     q, k, v, _ = operands(2, 75, 75, 3, 1, 64, torch.float16)
     o_buffer = torch.full((4, 79, 5, 80), math.nan, device=DEVICE, dtype=q.dtype)
     o = o_buffer[1:3, 2:77, 1:4, 8:72]
     lse, lse_buffer = guarded((2, 3, 75), torch.float32)
-    check_cute_forward(q, k, v, True, o=o, lse=lse)
+    check_cute_forward(q, k, v, True, o=o, lse=lse, step=step)
     inside = torch.zeros_like(o_buffer, dtype=torch.bool)
     inside[1:3, 2:77, 1:4, 8:72] = True
     assert o_buffer[~inside].isnan().all(), "an element outside O was written"
@@ -823,7 +995,8 @@ def test_cute_kernel_outputs_inside_guard():
 
 @needs_cute
 @gpu_only
-def test_cute_kernel_offsets_past_int32():
+@pytest.mark.parametrize("step", CUTE_STEPS)
+def test_cute_kernel_offsets_past_int32(step):
     """A second batch whose q, k, v (one buffer) and O (another) start past 2**31 elements
     (8.6 GB of bf16 in all): offsets formed in 32 bits would read and write the first batch's
     rows."""
@@ -836,7 +1009,20 @@ def test_cute_kernel_offsets_past_int32():
     for t in (q, k, v):
         t.copy_(torch.randn(shape, device=DEVICE))
     o = torch.full((batch_stride + rows,), math.nan, device=DEVICE, dtype=torch.bfloat16)
-    check_cute_forward(q, k, v, True, o=o.as_strided(shape, strides))
+    check_cute_forward(q, k, v, True, o=o.as_strided(shape, strides), step=step)
+
+
+@needs_cute
+@gpu_only
+@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cute_kernel_model_sizes(causal, head_dim, step):
+    """The forward alone at test_model_sizes_against_float64's size (B = 1, S_q = 1031 over
+    S_k = 1024, 8 query heads on 2 KV heads, bf16): many key tiles per block, the longest
+    causal blocks first."""
+    q, k, v, _ = operands(1, 1031, 1024, 8, 2, head_dim, torch.bfloat16)
+    check_cute_forward(q, k, v, causal, step=step)
 
 
 # (5) GPU-only sizes ---------------------------------------------------------------------------
