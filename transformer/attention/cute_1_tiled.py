@@ -142,16 +142,26 @@ def load_key_tile(kv, tile, stage, block_n: cutlass.Constexpr[int], s_k):
 
 
 @cute.jit
-def mask_scores(scores, coords, first_row, first_key, s_q, s_k, causal: cutlass.Constexpr):
+def key_limit(row, s_q, s_k, causal: cutlass.Constexpr):
+    """Query row i sees the keys j < key_limit: those inside S_k and, causal, up to its
+    bottom-right-aligned diagonal, j <= i + S_k - S_q."""
+    limit = s_k
+    if cutlass.const_expr(causal):
+        limit = cutlass.min(s_k, row + 1 + s_k - s_q)
+    return limit
+
+
+@cute.jit
+def mask_scores(scores, coords, first_row, first_key, s_q, s_k, causal: cutlass.Constexpr,
+                fill=-cutlass.Float32.inf):  # fmt: skip
     """Scores (rows x columns view) of keys past S_k or, causal, past row i's last visible key
-    (i + S_k - S_q) set to -inf."""
+    (i + S_k - S_q) set to `fill`: -inf before the softmax (the forward), 0 for probabilities
+    already exponentiated (the backward, whose rows that see no key have lse = -inf)."""
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-        limit = s_k  # row i sees the keys j < limit
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(s_k, first_row + coords[r, 0][0] + 1 + s_k - s_q)
+        limit = key_limit(first_row + coords[r, 0][0], s_q, s_k, causal)
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             if first_key + coords[0, c][1] >= limit:
-                scores[r, c] = -cutlass.Float32.inf
+                scores[r, c] = fill
 
 
 @cute.jit

@@ -58,7 +58,7 @@ The map (one block of 384 threads per BLOCK_M = 128 queries of one head; `TILES`
 
 Step 2 does not overlap the softmax with the tensor cores inside a warpgroup (each wgmma is
 waited for before its result is read; the two consumer warpgroups overlap each other only as
-the warp schedulers interleave them): that is step 3's FlashAttention-3 schedule.
+the warp schedulers interleave them): that is a later step's FlashAttention-3 schedule.
 """
 
 import cuda.bindings.driver as cuda
@@ -137,6 +137,17 @@ def key_tiles(first_row, s_q, s_k, block_m: cutlass.Constexpr, block_n: cutlass.
     return (end + block_n - 1) // block_n, full_end // block_n
 
 
+def tma_tiles(tma, rows_by_d, buffers, rows, head_dim):
+    """(buffers' slots, the tensor's tiles) as one TMA atom copies them: rows_by_d, one head's
+    (S, D) in global memory, cut into tiles of `rows` x D indexed by tile; buffers (rows, D,
+    slot) in shared memory indexed by slot (a ring's stage, or a warpgroup's half)."""
+    tiles = cute.local_tile(rows_by_d, (rows, head_dim), (None, 0))
+    return cpasync.tma_partition(
+        tma, 0, cute.make_layout(1), cute.group_modes(buffers, 0, 2),
+        cute.group_modes(tiles, 0, 2),
+    )  # fmt: skip
+
+
 @cute.jit
 def produce(
     q_pipe, kv_pipe, tma_q, Q_tma, tma_k, K_tma, tma_v, V_tma, q_smem, k_smem, v_smem, b, h, g,
@@ -146,21 +157,9 @@ def produce(
     """The producer warp (TMA copies are issued by one elected thread): Q's two 64-row halves
     onto Q's barrier, then K and V tile by tile into the ring, each stage once both consumer
     warpgroups have released it."""
-    q_tiles = cute.local_tile(Q_tma[None, None, h, b], (WGMMA_M, head_dim), (None, 0))
-    k_tiles = cute.local_tile(K_tma[None, None, g, b], (block_n, head_dim), (None, 0))
-    v_tiles = cute.local_tile(V_tma[None, None, g, b], (block_n, head_dim), (None, 0))
-    q_smem_part, q_gmem_part = cpasync.tma_partition(
-        tma_q, 0, cute.make_layout(1), cute.group_modes(q_smem, 0, 2),
-        cute.group_modes(q_tiles, 0, 2),
-    )  # fmt: skip
-    k_smem_part, k_gmem_part = cpasync.tma_partition(
-        tma_k, 0, cute.make_layout(1), cute.group_modes(k_smem, 0, 2),
-        cute.group_modes(k_tiles, 0, 2),
-    )  # fmt: skip
-    v_smem_part, v_gmem_part = cpasync.tma_partition(
-        tma_v, 0, cute.make_layout(1), cute.group_modes(v_smem, 0, 2),
-        cute.group_modes(v_tiles, 0, 2),
-    )  # fmt: skip
+    q_smem_part, q_gmem_part = tma_tiles(tma_q, Q_tma[None, None, h, b], q_smem, WGMMA_M, head_dim)
+    k_smem_part, k_gmem_part = tma_tiles(tma_k, K_tma[None, None, g, b], k_smem, block_n, head_dim)
+    v_smem_part, v_gmem_part = tma_tiles(tma_v, V_tma[None, None, g, b], v_smem, block_n, head_dim)
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     q_pipe.producer_acquire(q_state)  # a fresh barrier: no wait, it expects Q's bytes
     q_full = q_pipe.producer_get_barrier(q_state)
@@ -272,37 +271,37 @@ def consume(
         row = first_row + score_coords[r, 0][0]
         if lane % 4 == 0 and row < s_q:
             lse[b, h, row] = (row_max[r] + cute.math.log2(total)) * LN2
-    store_o(acc, q_smem, half, mine, mma_pv, tma_o, O_tma, b, h, m_block, head_dim)
+    # O into this warpgroup's half of Q's buffer: its S wgmmas, the only readers of those rows,
+    # have completed.
+    store_accumulator(acc, q_smem, half, mine, mma_pv, tma_o, O_tma[None, None, h, b],
+                      m_block, head_dim)  # fmt: skip
 
 
 @cute.jit
-def store_o(acc, q_smem, half, mine, mma_pv, tma_o, O_tma, b, h, m_block,
-            head_dim: cutlass.Constexpr):  # fmt: skip
-    """O rounded to the dtype, written by stmatrix into this warpgroup's half of Q's buffer
-    (its S wgmmas, the only readers of those rows, have completed), then stored by one TMA
-    copy of 64 x D; rows past S_q are dropped by TMA."""
-    dtype = q_smem.element_type
+def store_accumulator(acc, buffers, half, mine, tiled_mma, tma_store, rows_by_d, block,
+                      head_dim: cutlass.Constexpr):  # fmt: skip
+    """A consumer warpgroup's 64 x D accumulator rounded to the dtype, written by stmatrix into
+    its half of `buffers` (which nothing reads any more), then stored by one TMA copy into
+    rows [64 (2 block + half), + 64) of rows_by_d, one head's (S, D); rows past S are
+    dropped by TMA."""
+    dtype = buffers.element_type
     o_regs = cute.make_rmem_tensor_like(acc, dtype)
     o_regs.store(acc.load().to(dtype))
     stmatrix = sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32)
-    to_shared = cute.make_tiled_copy_C(stmatrix, mma_pv)
+    to_shared = cute.make_tiled_copy_C(stmatrix, tiled_mma)
     thread_copy = to_shared.get_slice(mine)
     cute.copy(
-        to_shared, thread_copy.retile(o_regs), thread_copy.partition_D(q_smem[None, None, half])
+        to_shared, thread_copy.retile(o_regs), thread_copy.partition_D(buffers[None, None, half])
     )
     # The generic-proxy writes become visible to TMA (the async proxy), then the warpgroup's
     # 128 threads meet before one of them starts the store.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + half, number_of_threads=WARPGROUP_THREADS)
-    o_tiles = cute.local_tile(O_tma[None, None, h, b], (WGMMA_M, head_dim), (None, 0))
-    o_smem_part, o_gmem_part = cpasync.tma_partition(
-        tma_o, 0, cute.make_layout(1), cute.group_modes(q_smem, 0, 2),
-        cute.group_modes(o_tiles, 0, 2),
-    )  # fmt: skip
+    smem_part, gmem_part = tma_tiles(tma_store, rows_by_d, buffers, WGMMA_M, head_dim)
     if cute.arch.make_warp_uniform(mine // 32) == 0:
         with cute.arch.elect_one():
-            cute.copy(tma_o, o_smem_part[None, half],
-                      o_gmem_part[None, m_block * CONSUMER_WARPGROUPS + half])  # fmt: skip
+            cute.copy(tma_store, smem_part[None, half],
+                      gmem_part[None, block * CONSUMER_WARPGROUPS + half])  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
             # The block's shared memory must outlive the store's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -6,14 +6,19 @@ dimension it is built for (D = 64 or 128, `cute_1_tiled.TILES`) whose bases lie 
 boundaries and whose batch, sequence and head strides are multiples of 8 elements (cp.async
 and the output's stores move 16 bytes). Every other valid input (float32, other head
 dimensions, misaligned views) runs Triton's forward (triton_impl.attention_forward), by an
-explicit check, `kernel_takes`. The backward is not written in CuTe yet (steps 2 and 3 bring
-it): `attention_backward` is triton_impl's, which reads the lse this forward writes (float32,
-natural log). Both validate every operand (reference.check_operands) before any launch.
+explicit check, `kernel_takes`. `attention_backward` is triton_impl's, which reads the lse
+this forward writes (float32, natural log). Both validate every operand
+(reference.check_operands) before any launch.
 
 `attention_forward_step2` runs step 2's kernel (cute_2_wgmma.py: TMA, wgmma and warp
 specialisation, Hopper only) on the same operands, routed the same way (TMA also needs the
 strides positive). It is not yet the default: the public forward switches to it once it has
 passed its tests on the GPU.
+
+`attention_backward_cute` runs step 3's kernels (cute_3_backward.py: the backward as two
+deterministic kernels on TMA and wgmma, Hopper only) on the operands `backward_kernel_takes`
+(step 2's rules over q, k, v, O, dO, dQ, dK and dV), Triton's backward on the rest. Not yet
+the default either, for the same reason.
 """
 
 import functools
@@ -26,8 +31,15 @@ import torch
 
 import cute_1_tiled
 import cute_2_wgmma
+import cute_3_backward
 import triton_impl
-from reference import check_operands, default_scale, forward_outputs
+from reference import (
+    backward_inputs,
+    backward_outputs,
+    check_operands,
+    default_scale,
+    forward_outputs,
+)
 from torch_impl import model_plumbing
 
 TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
@@ -44,41 +56,64 @@ def aligned(t):
 # The CuTe steps' kernels by number: step 1 (warp-level MMA) is the default; step 2 (TMA and
 # wgmma, Hopper only) runs where asked for (`attention_forward_step2`).
 STEPS = {1: cute_1_tiled, 2: cute_2_wgmma}
+BACKWARD_STEP = 3  # cute_3_backward.py: the backward (TMA and wgmma, Hopper only)
 
 
 def kernel_takes(q, k, v, o, step=1):
     """Whether step `step`'s kernel runs these (validated) operands: 16-bit dtype, a head
     dimension it is built for, every tensor `aligned` (16-byte rows: cp.async's vectors in step
     1, TMA's descriptors in step 2). The rest goes to Triton."""
+    return takes(STEPS[step].TILES, (q, k, v, o), tma=step > 1)
+
+
+def backward_kernel_takes(q, k, v, o, do, dq, dk, dv):
+    """Whether step 3's backward kernels run these (validated) operands: kernel_takes's rules
+    for TMA over every tensor they load or store (lse and the delta scratch take any strides).
+    The rest goes to Triton's backward."""
+    return takes(cute_3_backward.TILES, (q, k, v, o, do, dq, dk, dv), tma=True)
+
+
+def takes(tiles, tensors, tma):
+    """16-bit dtype, a head dimension in `tiles`, every tensor `aligned` and, for TMA, its
+    strides positive: a descriptor cannot take an expanded (stride 0) view."""
+    q = tensors[0]
     return (
         q.dtype in TORCH_TO_CUTLASS
-        and q.shape[3] in STEPS[step].TILES
-        and all(aligned(t) for t in (q, k, v, o))
-        # A TMA descriptor's strides must be positive: an expanded (stride 0) view stays off it.
-        and (step == 1 or all(s > 0 for t in (q, k, v, o) for s in t.stride()[:3]))
+        and q.shape[3] in tiles
+        and all(aligned(t) for t in tensors)
+        and (not tma or all(s > 0 for t in tensors for s in t.stride()[:3]))
     )
+
+
+def fake_operand(dtype, batch, seq, heads, head_dim):
+    """A (B, S, H, D) operand for cute.compile: D a constant, the strides 64-bit symbols that
+    are multiples of 8 elements, the base 16-byte aligned."""
+    strides = (*(cute.sym_int64(divisibility=cute_1_tiled.VECTOR_ELEMS) for _ in range(3)), 1)
+    return cute.runtime.make_fake_tensor(
+        TORCH_TO_CUTLASS[dtype], (batch, seq, heads, head_dim), stride=strides,
+        assumed_align=ALIGN_BYTES,
+    )  # fmt: skip
+
+
+def fake_rows(batch, heads, s_q):
+    """A (B, H, S_q) float32 tensor (lse, delta) with any strides."""
+    return cute.runtime.make_fake_tensor(
+        cutlass.Float32, (batch, heads, s_q), stride=tuple(cute.sym_int64() for _ in range(3)),
+        assumed_align=4,
+    )  # fmt: skip
 
 
 def build(dtype, head_dim, causal, options="", step=1):
     """cute.compile the launcher for TVM-FFI calls on torch tensors, on torch's current
     stream. q and o share the symbols (B, S_q, H), k and v (B, S_k, H_kv); D is a constant;
     the strides are 64-bit symbols, multiples of 8 elements, on 16-byte aligned bases; lse
-    (B, H, S_q) float32 takes any strides."""
+    (B, H, S_q) float32 takes any strides. Step 3 is the backward (`build_backward`)."""
+    if step == BACKWARD_STEP:
+        return build_backward(dtype, head_dim, causal, options)
     batch, s_q, s_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
-
-    def operand(seq, h):
-        strides = (*(cute.sym_int64(divisibility=cute_1_tiled.VECTOR_ELEMS) for _ in range(3)), 1)
-        return cute.runtime.make_fake_tensor(
-            TORCH_TO_CUTLASS[dtype], (batch, seq, h, head_dim), stride=strides,
-            assumed_align=ALIGN_BYTES,
-        )  # fmt: skip
-
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, heads, s_q), stride=tuple(cute.sym_int64() for _ in range(3)),
-        assumed_align=4,
-    )  # fmt: skip
-    q, o = operand(s_q, heads), operand(s_q, heads)
-    k, v = operand(s_k, heads_kv), operand(s_k, heads_kv)
+    q, o = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(2))
+    k, v = (fake_operand(dtype, batch, s_k, heads_kv, head_dim) for _ in range(2))
+    lse = fake_rows(batch, heads, s_q)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         STEPS[step].launch_forward, q, k, v, o, lse, 1.0, stream, head_dim, causal,
@@ -86,16 +121,30 @@ def build(dtype, head_dim, causal, options="", step=1):
     )  # fmt: skip
 
 
+def build_backward(dtype, head_dim, causal, options=""):
+    """cute.compile step 3's backward launcher as `build` does the forward's: q, o, dO and dQ
+    share (B, S_q, H), k, v, dK and dV (B, S_k, H_kv); lse and delta (B, H, S_q) float32."""
+    batch, s_q, s_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
+    q, o, do, dq = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(4))
+    k, v, dk, dv = (fake_operand(dtype, batch, s_k, heads_kv, head_dim) for _ in range(4))
+    lse, delta = fake_rows(batch, heads, s_q), fake_rows(batch, heads, s_q)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        cute_3_backward.launch_backward, q, k, v, o, lse, do, dq, dk, dv, delta, 1.0, 1.0,
+        stream, head_dim, causal, options=f"--enable-tvm-ffi {options}",
+    )  # fmt: skip
+
+
 @functools.cache
-def compile_forward(dtype, head_dim, causal, step=1):
-    """The compiled forward for (dtype, D, causal) of step `step`, built once (seconds, no GPU
-    needed)."""
+def compile_step(dtype, head_dim, causal, step=1):
+    """The compiled forward for (dtype, D, causal) of step `step` (3: the backward), built once
+    (seconds, no GPU needed)."""
     return build(dtype, head_dim, causal, step=step).__tvm_ffi_object__()
 
 
 def ptx_of(dtype, head_dim, causal, step=1):
     """The sm_90a PTX of a build: what the tests read (step 1: mma.sync, ldmatrix and
-    cp.async; step 2: wgmma, TMA and mbarriers)."""
+    cp.async; step 2: wgmma, TMA and mbarriers; step 3, the backward's two kernels, alike)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         return build(dtype, head_dim, causal, options, step).__ptx__
@@ -119,7 +168,7 @@ def run_forward(q, k, v, causal, scale, o, lse, step):
         lse.fill_(-math.inf)
         return o, lse
     scale_log2 = default_scale(q.shape[3], scale) * cute_1_tiled.LOG2E
-    kernel = compile_forward(q.dtype, q.shape[3], causal, step)
+    kernel = compile_step(q.dtype, q.shape[3], causal, step)
     # TVM-FFI launches on torch's current stream of the operands' GPU, as every CuTe launcher
     # of the course does: no device guard (entering torch.cuda.device costs microseconds).
     kernel(q, k, v, o, lse, scale_log2)
@@ -135,8 +184,29 @@ def attention_forward_step2(q, k, v, causal, scale, o, lse):
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     """Triton's backward (triton_impl.attention_backward, which validates every operand): the
-    CuTe backward is a later step."""
+    CuTe backward (`attention_backward_cute`) becomes the default once it has passed its tests
+    on the GPU."""
     return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
+
+
+def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
+    """The backward on step 3's kernels (cute_3_backward.py: a dQ kernel, then a dK/dV
+    kernel, TMA and wgmma, deterministic; a Hopper GPU) where they take the operands
+    (`backward_kernel_takes`), else Triton's, with attention_backward's validation first."""
+    check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv),
+                   backward_inputs(q, o, lse, do))  # fmt: skip
+    if not q.is_cuda:
+        raise ValueError(f"the operands are on {q.device}; the CuTe kernel needs CUDA tensors")
+    if not backward_kernel_takes(q, k, v, o, do, dq, dk, dv):
+        return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
+    if dq.numel() == 0 or k.shape[1] == 0:  # no query: dK = dV = 0; no key: dQ = 0
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    scale = default_scale(q.shape[3], scale)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # kernel 1 -> 2
+    kernel = compile_step(q.dtype, q.shape[3], causal, BACKWARD_STEP)
+    kernel(q, k, v, o, lse, do, dq, dk, dv, delta, scale * cute_1_tiled.LOG2E, scale)
+    return dq, dk, dv
 
 
 AttentionFunction, attention, _forward_op = model_plumbing(
@@ -144,3 +214,6 @@ AttentionFunction, attention, _forward_op = model_plumbing(
 )
 # Step 2 in a model's place (bench.py times it beside step 1), until it becomes the default.
 _, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2, attention_backward)
+# Step 3's backward behind step 1's forward, likewise, until it becomes the default backward.
+_, attention_cute_backward, _ = model_plumbing("cute_bwd", attention_forward,
+                                               attention_backward_cute)  # fmt: skip

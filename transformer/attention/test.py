@@ -58,9 +58,10 @@ try:
 
     import cute_1_tiled
     import cute_2_wgmma
+    import cute_3_backward
     import cute_impl
 except ImportError as error:  # no CuTe DSL: its tests skip and say why
-    cute_1_tiled = cute_2_wgmma = cute_impl = None
+    cute_1_tiled = cute_2_wgmma = cute_3_backward = cute_impl = None
     CUTE_MISSING = f"cute_impl cannot be imported ({error})"
 else:
     CUTE_MISSING = None
@@ -70,15 +71,22 @@ else:
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
-if cute_impl is not None:  # step 2's forward, called explicitly (not yet the default)
+if cute_impl is not None:  # step 2's forward and step 3's backward, called explicitly (neither
+    # is yet the default); step 3 runs behind step 1's forward.
     IMPLS["cute step 2"] = types.SimpleNamespace(
         attention_forward=cute_impl.attention_forward_step2
+    )
+    IMPLS["cute step 3"] = types.SimpleNamespace(
+        attention_forward=cute_impl.attention_forward,
+        attention_backward=cute_impl.attention_backward_cute,
+        attention=cute_impl.attention_cute_backward,
     )
 needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
 # Implementations a test launches: CuTe's only on a GPU (test_cute_builds_for_hopper checks its
 # build on the CPU); implementations a test only validates with: CuTe's wherever it imports.
-LAUNCHED = ["torch", "triton", pytest.param("cute", marks=[needs_cute, gpu_only])]
+LAUNCHED = ["torch", "triton", pytest.param("cute", marks=[needs_cute, gpu_only]),
+            pytest.param("cute step 3", marks=[needs_cute, gpu_only])]  # fmt: skip
 VALIDATED = ["torch", "triton", pytest.param("cute", marks=needs_cute)]
 U32, EX2 = unit_roundoff(torch.float32), APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
 LN2 = math.log(2.0)
@@ -217,10 +225,11 @@ def backward_bounds(q, k, v, o_hat, lse_hat, do, causal, scale):
     return (dq, dk, dv), bounds
 
 
-def check_backward(impl, q, k, v, do, causal, scale=None):
-    """Forward then backward with impl; every gradient against float64 within its bound."""
+def check_backward(impl, q, k, v, do, causal, scale=None, grads=None):
+    """Forward then backward with impl (into grads, [dQ, dK, dV], when given); every gradient
+    against float64 within its bound."""
     o, lse = check_forward(impl, q, k, v, causal, scale)
-    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    grads = [torch.empty_like(t) for t in (q, k, v)] if grads is None else grads
     IMPLS[impl].attention_backward(q, k, v, o, lse, do, causal, scale, *grads)
     scale_value = reference.default_scale(q.shape[3], scale)
     exact, bounds = backward_bounds(q, k, v, o, lse, do, causal, scale_value)
@@ -646,9 +655,13 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 
 CUTE_DTYPES = [torch.float16, torch.bfloat16]
 CUTE_HEAD_DIMS = sorted(cute_1_tiled.TILES) if cute_1_tiled else []
-# The CuTe steps a test runs over: step 1 (warp-level MMA, the public forward) and step 2 (TMA
-# and wgmma, cute_impl.attention_forward_step2, not yet the default).
-CUTE_STEPS = [1, 2]
+# The CuTe steps a test runs over: step 1 (warp-level MMA, the public forward), step 2 (TMA
+# and wgmma, cute_impl.attention_forward_step2) and step 3 (the backward on TMA and wgmma,
+# cute_impl.attention_backward_cute, behind step 1's forward); neither 2 nor 3 is yet a
+# default. Tests of the forward alone run over FORWARD_STEPS.
+BACKWARD_STEP = 3
+FORWARD_STEPS = [1, 2]
+CUTE_STEPS = [*FORWARD_STEPS, BACKWARD_STEP]
 
 
 @functools.cache
@@ -691,19 +704,44 @@ def step2_ptx_promises(kind, head_dim):
     return expected, present, ["mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group"]
 
 
+def step3_ptx_promises(kind, head_dim, causal):
+    """The map of cute_3_backward.py, two kernels of two loops each (the dK/dV kernel's masked
+    loop only when causal: no query tile needs a mask otherwise): dQ's S and dP (64 x BLOCK_N,
+    D / 16 wgmmas each a tile) and dQ += dS K (64 x D, BLOCK_N / 16, dS in registers);
+    dK/dV's S^T and dP^T (64 x BLOCK_M) and dV += P^T dO, dK += dS^T Q (64 x D, BLOCK_M / 16
+    each, from registers); TMA loads on mbarriers, TMA stores of dQ, dK, dV written by
+    stmatrix; setmaxnreg with the .minnctapersm that keeps ptxas from ignoring it; no atomics
+    (the same bits every run). As (instruction counts, present, absent)."""
+    (block_n, _), (block_m, _) = cute_3_backward.TILES[head_dim]
+    dkdv_loops = 2 if causal else 1
+    wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
+    expected = collections.Counter({wgmma.format(block_n): 2 * 2 * head_dim // 16})
+    expected[wgmma.format(block_m)] += dkdv_loops * 2 * head_dim // 16
+    register_a = 2 * block_n // 16 + dkdv_loops * 2 * block_m // 16
+    expected[wgmma.format(head_dim)] += register_a
+    expected[REGISTER_A_WGMMA] = register_a
+    _, present, absent = step2_ptx_promises(kind, head_dim)
+    present = [*present, ".minnctapersm 1"]
+    return expected, present, [*absent, ATOMIC]
+
+
 # A wgmma whose A operand is a vector of registers ("{...}, {") rather than a descriptor.
 REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\S* \{[^}]*\}, \{")
+# An atomic of any kind (red or atom, with or without a predicate): a sum in no fixed order.
+ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(red|atom)\.", re.MULTILINE)
 
 
-def missing_ptx_facts(ptx, dtype, head_dim, step=1):
+def missing_ptx_facts(ptx, dtype, head_dim, step=1, causal=False):
     """What README.md's CuTe step `step` promises and `ptx` lacks (an empty list: all there):
-    the step's own instructions and counts (step1_ptx_promises, step2_ptx_promises), and for
-    every step exp2 as ex2.approx.ftz and 1 / l correctly rounded (the bound counts both), no
-    local memory (no register array indexed at run time)."""
+    the step's own instructions and counts (step1_ptx_promises to step3_ptx_promises), and for
+    every step exp2 as ex2.approx.ftz (the bound counts it), no approximate division, and no
+    local memory (no register array indexed at run time); the forwards' 1 / l correctly
+    rounded."""
     kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    promises = {1: step1_ptx_promises, 2: step2_ptx_promises}[step]
+    promises = {1: step1_ptx_promises, 2: step2_ptx_promises,
+                3: functools.partial(step3_ptx_promises, causal=causal)}[step]  # fmt: skip
     expected, present, absent = promises(kind, head_dim)
-    present = [*present, "ex2.approx.ftz.f32", "rcp.rn.f32"]
+    present = [*present, "ex2.approx.ftz.f32", *(["rcp.rn.f32"] if step in FORWARD_STEPS else [])]
     absent = [*absent, "ld.local", "st.local", "rcp.approx", "div.approx"]
 
     def count(instruction):
@@ -711,10 +749,13 @@ def missing_ptx_facts(ptx, dtype, head_dim, step=1):
             return len(instruction.findall(ptx))
         return ptx.count(instruction)
 
-    missing = [f"{n} x {getattr(instruction, 'pattern', instruction)}"
+    def name(instruction):
+        return getattr(instruction, "pattern", instruction)
+
+    missing = [f"{n} x {name(instruction)}"
                for instruction, n in expected.items() if count(instruction) != n]  # fmt: skip
     missing += [instruction for instruction in present if instruction not in ptx]
-    missing += [f"no {instruction}" for instruction in absent if instruction in ptx]
+    missing += [f"no {name(instruction)}" for instruction in absent if count(instruction)]
     if step == 1 and "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
         missing.append("16-byte cp.async")
     return missing
@@ -726,32 +767,39 @@ def missing_ptx_facts(ptx, dtype, head_dim, step=1):
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
 def test_cute_builds_for_hopper(dtype, head_dim, causal, step):
-    """Every specialisation each CuTe forward is built for compiles for sm_90a (no GPU) into
+    """Every specialisation each CuTe step is built for compiles for sm_90a (no GPU) into
     the instructions its step promises (step 1: warp-level MMA fed by ldmatrix and cp.async;
-    step 2: wgmma fed by TMA and mbarriers), with the instructions the bound counts."""
+    step 2: wgmma fed by TMA and mbarriers; step 3, the backward: the same in two kernels, no
+    atomics), with the instructions the bound counts."""
     ptx = cute_ptx(dtype, head_dim, causal, step)
-    assert missing_ptx_facts(ptx, dtype, head_dim, step) == []
+    assert missing_ptx_facts(ptx, dtype, head_dim, step, causal) == []
 
 
 @needs_cute
 @pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_ptx_check_rejects_other_builds(step):
     """Negative control of the check above: another head dimension's build (its MMA count),
-    the other dtype's (its MMA type), the other step's build, and the PTX with its MMAs or its
-    loads removed."""
+    the other dtype's (its MMA type), another step's build, the PTX with its MMAs or its loads
+    removed, and (the backward) with a float atomic added or the launch bound that keeps
+    setmaxnreg removed."""
     ptx = cute_ptx(torch.bfloat16, 64, False, step)
     assert missing_ptx_facts(ptx, torch.bfloat16, 64, step) == []
     assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False, step), torch.bfloat16, 64, step)
     assert missing_ptx_facts(ptx, torch.float16, 64, step)
-    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 64, False, 3 - step), torch.bfloat16, 64,
+    other_step = {1: 2, 2: 1, 3: 2}[step]
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 64, False, other_step), torch.bfloat16, 64,
                              step)  # fmt: skip
     stripped_instructions = {
         1: ("mma.sync", "cp.async.cg"),
         2: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix"),
+        3: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix", ".minnctapersm"),
     }
     for instruction in stripped_instructions[step]:
         stripped = "\n".join(line for line in ptx.splitlines() if instruction not in line)
         assert missing_ptx_facts(stripped, torch.bfloat16, 64, step)
+    if step == BACKWARD_STEP:
+        atomic = ptx.replace("\tret;", "\tred.global.add.f32 [%rd1], %f1;\n\tret;", 1)
+        assert missing_ptx_facts(atomic, torch.bfloat16, 64, step) == [f"no {ATOMIC.pattern}"]
 
 
 @needs_cute
@@ -761,44 +809,59 @@ def test_cute_ptx_check_rejects_other_builds(step):
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 def test_cute_tiles_fit_the_registers(head_dim, causal, step, tmp_path):
     """ptxas for sm_90a fits each bf16 build in the registers without spilling: the reason
-    cute_1_tiled.TILES gives for its tiles, and cute_2_wgmma.TILES for its (within the
-    consumers' setmaxnreg budget, which ptxas honours: 168 spills at D = 128)."""
+    cute_1_tiled.TILES gives for its tiles, and cute_2_wgmma.TILES and cute_3_backward.TILES
+    for theirs (within the consumers' setmaxnreg budget, which ptxas honours: 168 spills at
+    D = 128; its warning C7508 would say it ignored setmaxnreg)."""
     source = tmp_path / "forward.ptx"
     source.write_text(cute_ptx(torch.bfloat16, head_dim, causal, step))
     done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "o")],
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         pytest.skip(f"this ptxas cannot assemble the DSL's PTX: {done.stderr[-300:]}")
-    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)  # every kernel's
+    assert spills and set(spills) == {"0"}, done.stderr
+    assert "C7508" not in done.stderr, "ptxas ignored setmaxnreg"
+
+
+def wgmma_tiles():
+    """(D, N, stages) of every wgmma pair the steps build (step 2's S and P V; step 3's S, dP
+    and dQ += dS K, and S^T, dP^T and the dK, dV products): an accumulator 64 x N regrouped as
+    the register A operand of a 64 x D x N product, whose B is a ring of N x D seen
+    transposed."""
+    if cute_impl is None:
+        return []
+    tiles = {(d, *tile) for d, tile in cute_2_wgmma.TILES.items()}
+    tiles |= {(d, *tile) for d, pair in cute_3_backward.TILES.items() for tile in pair}
+    return sorted(tiles)
 
 
 @needs_cute
-@pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
-def test_cute_step2_operand_layouts(head_dim):
-    """Step 2's register and shared-memory operands, checked on the layouts (no GPU): P, S's
+@pytest.mark.parametrize("tile", wgmma_tiles(), ids=str)
+def test_cute_step2_operand_layouts(tile):
+    """Steps 2's and 3's register and shared-memory operands, checked on the layouts (no GPU),
+    for every (D, N, stages) they build (`wgmma_tiles`; the names are the forward's): P, S's
     accumulator reshaped by as_a_operand, holds for each thread exactly the (row, key)
     elements that the register A operand of P V's wgmma expects, in its order; by_rows gives a
     thread rows r and r + 8 of its warp's 16 and column pairs 8 apart (the quad's share); V's
     ring seen transposed is the MN-major 128-byte-swizzled layout sm90_utils gives a B
-    operand whose N (D) is contiguous. Negative control: slices paired 8 steps apart
+    operand whose N (D) is contiguous. Negative control: slices paired N / 16 apart
     (`pairs_slices_far_apart`) are not the A operand."""
-    facts = cute_2_wgmma_layout_facts(head_dim)
+    facts = cute_2_wgmma_layout_facts(*tile)
     assert facts["p_is_a_operand"] == [True] * 4, facts
     assert not any(facts["far_is_a_operand"]), "the check cannot tell a wrong pairing"
     assert facts["v_is_mn_major"], facts
-    assert facts["rows"] == f"(2,2,{cute_2_wgmma.TILES[head_dim][0] // 8}):(8@0,1@1,8@1)"
+    assert facts["rows"] == f"(2,2,{tile[1] // 8}):(8@0,1@1,8@1)"
 
 
 # What check_step2_layouts found while tracing (a @cute.jit function returns nothing here).
 STEP2_LAYOUT_FACTS = collections.defaultdict(dict)
 
 
-def cute_2_wgmma_layout_facts(head_dim):
+def cute_2_wgmma_layout_facts(head_dim, block_n, stages):
     """Compile check_step2_layouts for a few threads (no kernel, layout algebra only); what it
     found, as strings and booleans."""
-    facts = STEP2_LAYOUT_FACTS[head_dim]
+    facts = STEP2_LAYOUT_FACTS[head_dim, block_n, stages]
     if not facts:
-        block_n, stages = cute_2_wgmma.TILES[head_dim]
         for thread in (0, 1, 37, 127):
             cute.compile(check_step2_layouts, head_dim, block_n, stages, thread)
     return facts
@@ -833,8 +896,8 @@ if cute_impl is not None:  # @cute.jit needs the DSL
         thread: cutlass.Constexpr,
     ):  # fmt: skip
         """Trace-time layout algebra (the coordinates of identity tensors, static for a static
-        thread) recorded into STEP2_LAYOUT_FACTS[head_dim]."""
-        facts = STEP2_LAYOUT_FACTS[head_dim]
+        thread) recorded into STEP2_LAYOUT_FACTS[head_dim, block_n, stages]."""
+        facts = STEP2_LAYOUT_FACTS[head_dim, block_n, stages]
         dtype = cutlass.BFloat16
         mma_qk, mma_pv = cute_2_wgmma.tiled_mmas(dtype, head_dim, block_n)
         tile = cute.make_identity_tensor((cute_2_wgmma.WGMMA_M, block_n))
@@ -865,7 +928,8 @@ def test_cute_routes_what_the_kernel_does_not_take():
     """kernel_takes (operands already validated): 16-bit D = 64 and 128 with 16-byte aligned
     rows run the CuTe kernel, (B, H, S, D) views and packed qkv slices included; float32,
     other head dimensions and misaligned bases or strides go to Triton (negative controls).
-    Step 2 takes the same, less views with a zero stride (TMA's strides must be positive)."""
+    Step 2 takes the same, less views with a zero stride (TMA's strides must be positive);
+    step 3's backward the same as step 2 over q, k, v, O, dO, dQ, dK and dV."""
     q, k, v, _ = operands(1, 5, 7, 4, 2, 64, torch.bfloat16)
     assert cute_impl.kernel_takes(q, k, v, torch.empty_like(q))
     bhsd = operands(1, 5, 7, 4, 2, 128, torch.float16, layout="bhsd")
@@ -888,17 +952,34 @@ def test_cute_routes_what_the_kernel_does_not_take():
     assert cute_impl.kernel_takes(q, shared, v, torch.empty_like(q))
     assert not cute_impl.kernel_takes(q, shared, v, torch.empty_like(q), step=2)
 
+    # Step 3's backward: step 2's rules over every tensor it loads or stores.
+    def takes(q, k, v, o=None, do=None, dq=None, dk=None, dv=None):
+        o, do, dq = (torch.empty_like(q) if t is None else t for t in (o, do, dq))
+        dk, dv = (torch.empty_like(k) if t is None else t for t in (dk, dv))
+        return cute_impl.backward_kernel_takes(q, k, v, o, do, dq, dk, dv)
+
+    assert takes(q, k, v) and takes(*bhsd[:3], do=bhsd[3])
+    assert not takes(q32, k32, v32) and not takes(q80, k80, v80)
+    assert not takes(q, k, v, dq=shifted) and not takes(q, k, v, do=shifted)
+    assert not takes(q, k, v, dk=torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape))
+    assert not takes(q, shared, v) and not takes(q, k, v, do=q[:, :1].expand(q.shape))
+
 
 @needs_cute
 @pytest.mark.skipif(ON_GPU, reason="the CPU refusal; the GPU runs the kernel")
 @pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_refuses_cpu_tensors(step):
-    """Valid operands on the CPU: a clear error after the validation, the outputs untouched."""
-    q, k, v, _ = operands(1, 4, 4, 2, 1, 64, torch.bfloat16)
+    """Valid operands on the CPU: a clear error after the validation, the outputs untouched
+    (step 3: dQ, dK and dV)."""
+    q, k, v, do = operands(1, 4, 4, 2, 1, 64, torch.bfloat16)
     o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 4), 7.0)
+    grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
     with pytest.raises(ValueError, match="CUDA"):
-        IMPLS[CUTE_IMPLS[step]].attention_forward(q, k, v, False, None, o, lse)
-    assert (o == 7).all() and (lse == 7).all()
+        if step == BACKWARD_STEP:
+            IMPLS[CUTE_IMPLS[step]].attention_backward(q, k, v, o, lse, do, False, None, *grads)
+        else:
+            IMPLS[CUTE_IMPLS[step]].attention_forward(q, k, v, False, None, o, lse)
+    assert (o == 7).all() and (lse == 7).all() and all((g == 7).all() for g in grads)
 
 
 def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None, step=1):
@@ -909,7 +990,17 @@ def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None, step=1):
     return check_forward(CUTE_IMPLS[step], q, k, v, causal, scale, o, lse)
 
 
-CUTE_IMPLS = {1: "cute", 2: "cute step 2"}  # IMPLS's names of the steps' forwards
+def check_cute_backward(q, k, v, do, causal, scale=None, grads=None):
+    """check_backward through step 3's backward (behind step 1's forward, into grads when
+    given), asserting that its kernels (not Triton's) ran; returns [dQ, dK, dV]."""
+    grads = [torch.empty_like(t) for t in (q, k, v)] if grads is None else grads
+    o = torch.empty_like(q)  # as check_forward makes it
+    assert cute_impl.backward_kernel_takes(q, k, v, o, do, *grads), "this would go to Triton"
+    return check_backward(CUTE_IMPLS[BACKWARD_STEP], q, k, v, do, causal, scale, grads)
+
+
+# IMPLS's names of the steps' forwards (step 3: its backward's, behind step 1's forward).
+CUTE_IMPLS = {1: "cute", 2: "cute step 2", 3: "cute step 3"}
 
 
 # (B, S_q, S_k, H, H_kv): one token, a decode step over a cache, primes, S_q above and below
@@ -928,13 +1019,19 @@ CUTE_SHAPES = [
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
 def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape, step):
-    """Each CuTe step's kernel itself (not the Triton route) within README.md's forward bound:
-    tails of every length, the causal diagonal both ways, GQA and MQA, fully masked rows (and,
-    in step 2, rows past S_q in a consumer's 64 and a ring of 2 or 3 stages wrapping around
-    its mbarrier phases several times at S_k = 1000)."""
+    """Each CuTe step's kernel itself (not the Triton route) within README.md's forward bound
+    (step 3: its backward's): tails of every length, the causal diagonal both ways, GQA and
+    MQA, fully masked rows (and, in steps 2 and 3, rows past S_q or S_k in a consumer's 64 and
+    rings wrapping around their mbarrier phases many times: at S_k = 1000, and over a group's
+    query heads in step 3's dK/dV kernel)."""
     torch.manual_seed(sum(shape) + head_dim)
     batch, s_q, s_k, heads, heads_kv = shape
-    q, k, v, _ = operands(batch, s_q, s_k, heads, heads_kv, head_dim, dtype)
+    q, k, v, do = operands(batch, s_q, s_k, heads, heads_kv, head_dim, dtype)
+    if step == BACKWARD_STEP:
+        dq, _, _ = check_cute_backward(q, k, v, do, causal)
+        if causal and s_q > s_k:  # rows that see no key: dQ = 0
+            assert (dq[:, : s_q - s_k] == 0).all()
+        return
     o, lse = check_cute_forward(q, k, v, causal, step=step)
     if causal and s_q > s_k:
         assert (o[:, : s_q - s_k] == 0).all() and (lse[:, :, : s_q - s_k] == -math.inf).all()
@@ -947,20 +1044,26 @@ def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape, step):
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 def test_cute_kernel_strided_operands(layout, head_dim, step):
     """(B, H, S, D) tensors seen as (B, S, H, D) and q, k, v sliced from one packed qkv, through
-    the CuTe kernel, with a scale given."""
+    the CuTe kernel (step 3: the backward, dO and the gradients (B, H, S, D) views too), with a
+    scale given."""
     torch.manual_seed(5)
     if layout == "bhsd":
-        q, k, v, _ = operands(2, 77, 93, 4, 2, head_dim, torch.bfloat16, layout)
+        q, k, v, do = operands(2, 77, 93, 4, 2, head_dim, torch.bfloat16, layout)
     else:
         qkv = torch.randn(2, 77, 4 + 2 + 2, head_dim, device=DEVICE).to(torch.bfloat16)
         q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+        do = torch.randn_like(q)
     for causal in (False, True):
-        check_cute_forward(q, k, v, causal, scale=0.3, step=step)
+        if step == BACKWARD_STEP:
+            grads = [torch.empty_like(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v)]
+            check_cute_backward(q, k, v, do, causal, scale=0.3, grads=grads)
+        else:
+            check_cute_forward(q, k, v, causal, scale=0.3, step=step)
 
 
 @needs_cute
 @gpu_only
-@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("step", FORWARD_STEPS)
 def test_cute_kernel_special_values(step):
     """Through the CuTe kernel: scores of about 1e4, a NaN key reaching exactly the rows that
     see it, no key at all (S_k = 0)."""
@@ -976,26 +1079,49 @@ def test_cute_kernel_special_values(step):
     assert (o == 0).all() and (lse == -math.inf).all()
 
 
+def guarded_rows(shape, dtype):
+    """(view, buffer, inside): a (B, S, H, D) view inside a NaN-filled buffer wider in every
+    dimension, its rows still 16-byte aligned (so the CuTe kernels take it), and the mask of
+    the buffer's elements the view covers."""
+    buffer = torch.full([shape[0] + 2, shape[1] + 4, shape[2] + 2, shape[3] + 16], math.nan,
+                        device=DEVICE, dtype=dtype)  # fmt: skip
+    where = (slice(1, 1 + shape[0]), slice(2, 2 + shape[1]), slice(1, 1 + shape[2]),
+             slice(8, 8 + shape[3]))  # fmt: skip
+    inside = torch.zeros_like(buffer, dtype=torch.bool)
+    inside[where] = True
+    return buffer[where], buffer, inside
+
+
 @needs_cute
 @gpu_only
 @pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_kernel_outputs_inside_guard(step):
     """O as a 16-byte aligned view inside a NaN-filled buffer (so the kernel takes it) and lse
-    as a view of another: every element inside written, nothing outside touched."""
-    q, k, v, _ = operands(2, 75, 75, 3, 1, 64, torch.float16)
-    o_buffer = torch.full((4, 79, 5, 80), math.nan, device=DEVICE, dtype=q.dtype)
-    o = o_buffer[1:3, 2:77, 1:4, 8:72]
+    as a view of another: every element inside written, nothing outside touched. Step 3: dQ,
+    dK and dV so, twice, the same bits both times (no atomics; a KV head's 3 query heads
+    summed in order)."""
+    q, k, v, do = operands(2, 75, 75, 3, 1, 64, torch.float16)
+    if step == BACKWARD_STEP:
+        runs = []
+        for _ in range(2):
+            guards = [guarded_rows(t.shape, t.dtype) for t in (q, k, v)]
+            grads = check_cute_backward(q, k, v, do, True, grads=[g[0] for g in guards])
+            for _, buffer, inside in guards:
+                assert buffer[~inside].isnan().all(), "an element outside a gradient was written"
+            runs.append(grads)
+        for first, second in zip(*runs, strict=True):
+            assert_same_bits(first, second, "CuTe backward, run twice")
+        return
+    o, o_buffer, inside = guarded_rows(q.shape, q.dtype)
     lse, lse_buffer = guarded((2, 3, 75), torch.float32)
     check_cute_forward(q, k, v, True, o=o, lse=lse, step=step)
-    inside = torch.zeros_like(o_buffer, dtype=torch.bool)
-    inside[1:3, 2:77, 1:4, 8:72] = True
     assert o_buffer[~inside].isnan().all(), "an element outside O was written"
     assert lse_buffer.isnan().sum() == lse_buffer.numel() - lse.numel()
 
 
 @needs_cute
 @gpu_only
-@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("step", FORWARD_STEPS)
 def test_cute_kernel_offsets_past_int32(step):
     """A second batch whose q, k, v (one buffer) and O (another) start past 2**31 elements
     (8.6 GB of bf16 in all): offsets formed in 32 bits would read and write the first batch's
@@ -1020,9 +1146,12 @@ def test_cute_kernel_offsets_past_int32(step):
 def test_cute_kernel_model_sizes(causal, head_dim, step):
     """The forward alone at test_model_sizes_against_float64's size (B = 1, S_q = 1031 over
     S_k = 1024, 8 query heads on 2 KV heads, bf16): many key tiles per block, the longest
-    causal blocks first."""
-    q, k, v, _ = operands(1, 1031, 1024, 8, 2, head_dim, torch.bfloat16)
-    check_cute_forward(q, k, v, causal, step=step)
+    causal blocks first. Step 3: the backward so, many tiles in both of its kernels."""
+    q, k, v, do = operands(1, 1031, 1024, 8, 2, head_dim, torch.bfloat16)
+    if step == BACKWARD_STEP:
+        check_cute_backward(q, k, v, do, causal)
+    else:
+        check_cute_forward(q, k, v, causal, step=step)
 
 
 # (5) GPU-only sizes ---------------------------------------------------------------------------
