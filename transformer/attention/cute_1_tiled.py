@@ -229,6 +229,52 @@ def key_tile(
     cute.arch.cp_async_commit_group()  # empty past the last tile: the group count stays even
 
 
+@cute.jit
+def query_block(block, m_blocks, heads, group, causal: cutlass.Constexpr):
+    """(query block, head, batch, KV head) of block `block` of the flat grid: one grid
+    dimension (no 65535 limit on batch or heads), query block fastest, then head, then batch.
+    Causal: the last query blocks see the most keys, so they go first."""
+    m_block = block % m_blocks
+    if cutlass.const_expr(causal):
+        m_block = m_blocks - 1 - m_block
+    h = block // m_blocks % heads
+    return m_block, h, block // m_blocks // heads, h // group
+
+
+@cute.jit
+def key_tiles(first_row, s_q, s_k, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+              causal: cutlass.Constexpr):  # fmt: skip
+    """(n_tiles, full_tiles) for the block of queries [first_row, first_row + block_m): key
+    tiles [0, full_tiles) need no mask (whole tiles inside S_k and, causal, left of the first
+    row's diagonal), [full_tiles, n_tiles) are the tail and the diagonal band; a causal block
+    stops at the last key its last row sees."""
+    end = s_k
+    full_end = s_k // block_n * block_n
+    if cutlass.const_expr(causal):
+        diagonal = first_row + s_k - s_q  # the last key row first_row sees
+        end = cutlass.min(s_k, cutlass.max(diagonal + block_m, 0))
+        full_end = cutlass.min(full_end, cutlass.max(diagonal + 1, 0) // block_n * block_n)
+    return (end + block_n - 1) // block_n, full_end // block_n
+
+
+@cute.jit
+def finish_rows(acc_rows, row_max, row_sum, score_coords, first_row, s_q, lse, b, h, lane):
+    """The forward's last step for the thread's rows (acc_rows: the accumulator as rows x
+    columns, `by_rows` of the step's MMA): the quads' row sums l, O / l (0 where no key was
+    seen), and lse = (m + log2 l) ln 2, written by the first lane of each quad for the rows
+    inside S_q."""
+    for r in cutlass.range_constexpr(cute.size(row_sum)):
+        total = quad_reduce(row_sum[r], lambda x, y: x + y)
+        inverse = cutlass.Float32(0.0)
+        if total > 0.0:  # a NaN total fails too: the NaN is in the accumulator already
+            inverse = cutlass.Float32(1.0) / total
+        for c in cutlass.range_constexpr(cute.size(acc_rows, mode=[1])):
+            acc_rows[r, c] = acc_rows[r, c] * inverse
+        row = first_row + score_coords[r, 0][0]
+        if lane % 4 == 0 and row < s_q:
+            lse[b, h, row] = (row_max[r] + cute.math.log2(total)) * LN2
+
+
 @cute.kernel
 def attention_forward_kernel(
     q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
@@ -241,27 +287,10 @@ def attention_forward_kernel(
 ):  # fmt: skip
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
-    # One flat grid dimension (no 65535 limit on batch or heads): query block fastest, then
-    # head, then batch. Causal: the last query blocks see the most keys, so they go first.
-    m_block = block % m_blocks
-    if cutlass.const_expr(causal):
-        m_block = m_blocks - 1 - m_block
-    h = block // m_blocks % heads
-    b = block // m_blocks // heads
-    g = h // group
+    m_block, h, b, g = query_block(block, m_blocks, heads, group, causal)
     first_row = m_block * block_m
     dtype = q.element_type
-
-    # Keys [0, full_tiles * block_n) need no mask: whole tiles inside S_k and, causal, left of
-    # the first row's diagonal. Tiles [full_tiles, n_tiles) are the tail and the diagonal band.
-    end = s_k
-    full_end = s_k // block_n * block_n
-    if cutlass.const_expr(causal):
-        diagonal = first_row + s_k - s_q  # the last key row first_row sees
-        end = cutlass.min(s_k, cutlass.max(diagonal + block_m, 0))
-        full_end = cutlass.min(full_end, cutlass.max(diagonal + 1, 0) // block_n * block_n)
-    n_tiles = (end + block_n - 1) // block_n
-    full_tiles = full_end // block_n
+    n_tiles, full_tiles = key_tiles(first_row, s_q, s_k, block_m, block_n, causal)
 
     # The block's tiles in global memory: Q (block_m, D), K and V (block_n, D, tile).
     q_tile = cute.local_tile(q[b, None, h, None], (block_m, head_dim), (m_block, 0))
@@ -335,19 +364,8 @@ def attention_forward_kernel(
         key_tile(tile, n_tiles, kv, operands, mma, acc, row_max, row_sum, first_row, s_q, s_k,
                  scale_log2, True, causal)  # fmt: skip
 
-    # Epilogue: the quads' row sums, O / l (0 where no key was seen), lse.
-    acc_rows = by_rows(acc)
-    lane = thread % 32
-    for r in cutlass.range_constexpr(rows_held):
-        total = quad_reduce(row_sum[r], lambda x, y: x + y)
-        inverse = cutlass.Float32(0.0)
-        if total > 0.0:  # a NaN total fails too: the NaN is in the accumulator already
-            inverse = cutlass.Float32(1.0) / total
-        for c in cutlass.range_constexpr(cute.size(acc_rows, mode=[1])):
-            acc_rows[r, c] = acc_rows[r, c] * inverse
-        row = first_row + score_coords[r, 0][0]
-        if lane % 4 == 0 and row < s_q:
-            lse[b, h, row] = (row_max[r] + cute.math.log2(total)) * LN2
+    finish_rows(by_rows(acc), row_max, row_sum, score_coords, first_row, s_q, lse, b, h,
+                thread % 32)  # fmt: skip
     # O rounded to the dtype, through Q's buffer, then 16 bytes a thread to global memory, rows
     # past S_q dropped. Q's copies may still be in flight in a block that saw no key tile (a
     # causal block of queries before every key): all of them land, and every warp is past its

@@ -61,6 +61,8 @@ waited for before its result is read; the two consumer warpgroups overlap each o
 the warp schedulers interleave them): that is a later step's FlashAttention-3 schedule.
 """
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -70,7 +72,14 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_1_tiled import LN2, LOG2E, mask_scores, online_softmax, quad_reduce
+from cute_1_tiled import (
+    LOG2E,
+    finish_rows,
+    key_tiles,
+    mask_scores,
+    online_softmax,
+    query_block,
+)
 
 __all__ = ["LOG2E", "TILES", "launch_forward"]
 
@@ -119,22 +128,6 @@ def as_a_operand(p):
             stride=((pair_s, half_s, two_s), m_s, (steps_s, n_s)),
         ),
     )
-
-
-@cute.jit
-def key_tiles(first_row, s_q, s_k, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
-              causal: cutlass.Constexpr):  # fmt: skip
-    """(n_tiles, full_tiles) for the block of queries [first_row, first_row + block_m): key
-    tiles [0, full_tiles) need no mask (whole tiles inside S_k and, causal, left of the first
-    row's diagonal), [full_tiles, n_tiles) are the tail and the diagonal band; a causal block
-    stops at the last key its last row sees (cute_1_tiled's kernel, the same arithmetic)."""
-    end = s_k
-    full_end = s_k // block_n * block_n
-    if cutlass.const_expr(causal):
-        diagonal = first_row + s_k - s_q  # the last key row first_row sees
-        end = cutlass.min(s_k, cutlass.max(diagonal + block_m, 0))
-        full_end = cutlass.min(full_end, cutlass.max(diagonal + 1, 0) // block_n * block_n)
-    return (end + block_n - 1) // block_n, full_end // block_n
 
 
 def tma_tiles(tma, rows_by_d, buffers, rows, head_dim):
@@ -187,6 +180,20 @@ def multiply(tiled_mma, acc, a_frag, b_frag):
         cute.gemm(tiled_mma, acc, a_frag[None, None, kk], b_frag[None, None, kk], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+@cute.jit
+def consume_tiles(ring, state, first, end, visit, masked: cutlass.Constexpr):
+    """The consumers' side of the ring for tiles [first, end), in the order the producer
+    loaded them: wait until a tile's stage is full, visit(stage, tile, masked=masked), release
+    the stage (every wgmma that read it has completed), move the state on; returns it (the
+    loop's state is its own, so the caller takes it back)."""
+    for tile in cutlass.range(first, end, unroll=1):
+        ring.consumer_wait(state)
+        visit(state.index, tile, masked=masked)
+        ring.consumer_release(state)
+        state.advance()
+    return state
 
 
 @cute.jit
@@ -245,32 +252,16 @@ def consume(
     q_pipe.consumer_wait(q_state)  # Q has landed (always: the epilogue reuses its buffer)
     mmas, frags = (mma_qk, mma_pv), (q_frag, k_frag, v_frag)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for tile in cutlass.range(full_tiles, unroll=1):
-        kv_pipe.consumer_wait(state)
-        key_tile(state.index, tile, mmas, frags, scores, acc, row_max, row_sum, score_coords,
-                 first_row, s_q, s_k, scale_log2, block_n, False, causal)  # fmt: skip
-        kv_pipe.consumer_release(state)  # every wgmma reading the stage has completed
-        state.advance()
-    for tile in cutlass.range(full_tiles, n_tiles, unroll=1):
-        kv_pipe.consumer_wait(state)
-        key_tile(state.index, tile, mmas, frags, scores, acc, row_max, row_sum, score_coords,
-                 first_row, s_q, s_k, scale_log2, block_n, True, causal)  # fmt: skip
-        kv_pipe.consumer_release(state)
-        state.advance()
+    visit = functools.partial(
+        key_tile, mmas=mmas, frags=frags, scores=scores, acc=acc, row_max=row_max,
+        row_sum=row_sum, score_coords=score_coords, first_row=first_row, s_q=s_q, s_k=s_k,
+        scale_log2=scale_log2, block_n=block_n, causal=causal,
+    )  # fmt: skip
+    state = consume_tiles(kv_pipe, state, 0, full_tiles, visit, False)
+    state = consume_tiles(kv_pipe, state, full_tiles, n_tiles, visit, True)
 
-    # Epilogue: the quads' row sums, O / l (0 where no key was seen), lse.
-    acc_rows = by_rows(acc)
-    lane = thread % 32
-    for r in cutlass.range_constexpr(rows_held):
-        total = quad_reduce(row_sum[r], lambda x, y: x + y)
-        inverse = cutlass.Float32(0.0)
-        if total > 0.0:  # a NaN total fails too: the NaN is in the accumulator already
-            inverse = cutlass.Float32(1.0) / total
-        for c in cutlass.range_constexpr(cute.size(acc_rows, mode=[1])):
-            acc_rows[r, c] = acc_rows[r, c] * inverse
-        row = first_row + score_coords[r, 0][0]
-        if lane % 4 == 0 and row < s_q:
-            lse[b, h, row] = (row_max[r] + cute.math.log2(total)) * LN2
+    finish_rows(by_rows(acc), row_max, row_sum, score_coords, first_row, s_q, lse, b, h,
+                thread % 32)  # fmt: skip
     # O into this warpgroup's half of Q's buffer: its S wgmmas, the only readers of those rows,
     # have completed.
     store_accumulator(acc, q_smem, half, mine, mma_pv, tma_o, O_tma[None, None, h, b],
@@ -322,13 +313,7 @@ def attention_forward_kernel(
     block, _, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
-    # Step 1's flat grid: query block fastest, then head, then batch; causal, longest first.
-    m_block = block % m_blocks
-    if cutlass.const_expr(causal):
-        m_block = m_blocks - 1 - m_block
-    h = block // m_blocks % heads
-    b = block // m_blocks // heads
-    g = h // group
+    m_block, h, b, g = query_block(block, m_blocks, heads, group, causal)
     n_tiles, full_tiles = key_tiles(m_block * BLOCK_M, s_q, s_k, BLOCK_M, block_n, causal)
     if warp == 0:
         for atom in (tma_q, tma_k, tma_v, tma_o):

@@ -71,6 +71,8 @@ schedule); dQ computed in kernel 2's pass (one recomputation of S instead of two
 atomics or per-tile partials summed in order.
 """
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -78,7 +80,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from cute_1_tiled import LOG2E, key_limit, mask_scores, quad_reduce
+from cute_1_tiled import LOG2E, key_limit, key_tiles, mask_scores, quad_reduce, query_block
 from cute_2_wgmma import (
     BLOCK_M,
     CONSUMER_REGISTERS,
@@ -89,7 +91,7 @@ from cute_2_wgmma import (
     WGMMA_M,
     as_a_operand,
     by_rows,
-    key_tiles,
+    consume_tiles,
     multiply,
     seq_major,
     smem_layouts,
@@ -284,20 +286,13 @@ def dq_consume(
 
     mmas = (mma_qk, mma_dq)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for tile in cutlass.range(full_tiles, unroll=1):
-        ring.consumer_wait(state)
-        dq_key_tile(state.index, tile, mmas, frags, scores, dp, dq, lse_log2, deltas,
-                    score_coords, first_row, s_q, s_k, scale_log2, block_n, False,
-                    causal)  # fmt: skip
-        ring.consumer_release(state)  # every wgmma reading the stage has completed
-        state.advance()
-    for tile in cutlass.range(full_tiles, n_tiles, unroll=1):
-        ring.consumer_wait(state)
-        dq_key_tile(state.index, tile, mmas, frags, scores, dp, dq, lse_log2, deltas,
-                    score_coords, first_row, s_q, s_k, scale_log2, block_n, True,
-                    causal)  # fmt: skip
-        ring.consumer_release(state)
-        state.advance()
+    visit = functools.partial(
+        dq_key_tile, mmas=mmas, frags=frags, scores=scores, dp=dp, dq=dq, lse_log2=lse_log2,
+        deltas=deltas, score_coords=score_coords, first_row=first_row, s_q=s_q, s_k=s_k,
+        scale_log2=scale_log2, block_n=block_n, causal=causal,
+    )  # fmt: skip
+    state = consume_tiles(ring, state, 0, full_tiles, visit, False)
+    state = consume_tiles(ring, state, full_tiles, n_tiles, visit, True)
 
     for i in cutlass.range_constexpr(cute.size(dq)):
         dq[i] = dq[i] * scale
@@ -323,13 +318,7 @@ def attention_dq_kernel(
     block, _, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
-    # The forward's flat grid: query block fastest, then head, then batch; causal, longest first.
-    m_block = block % m_blocks
-    if cutlass.const_expr(causal):
-        m_block = m_blocks - 1 - m_block
-    h = block // m_blocks % heads
-    b = block // m_blocks // heads
-    g = h // group
+    m_block, h, b, g = query_block(block, m_blocks, heads, group, causal)  # the forward's grid
     n_tiles, full_tiles = key_tiles(m_block * BLOCK_M, s_q, s_k, BLOCK_M, block_n, causal)
     if warp == 0:
         for atom in (tma_q, tma_do, tma_o, tma_k, tma_v, tma_dq):
@@ -476,21 +465,13 @@ def dkdv_consume(
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     for head in cutlass.range(group, unroll=1):  # the group's query heads, in order
         h = g * group + head
-        head_lse, head_delta = lse[b, h, None], delta[b, h, None]
-        for tile in cutlass.range(first, full, unroll=1):
-            ring.consumer_wait(state)
-            dkdv_query_tile(state.index, tile, mmas, frags, scores_t, dp_t, dk, dv, head_lse,
-                            head_delta, score_coords, first_key, s_q, s_k,
-                            scale_log2, block_m, True)  # fmt: skip
-            ring.consumer_release(state)
-            state.advance()
-        for tile in cutlass.range(full, end, unroll=1):
-            ring.consumer_wait(state)
-            dkdv_query_tile(state.index, tile, mmas, frags, scores_t, dp_t, dk, dv, head_lse,
-                            head_delta, score_coords, first_key, s_q, s_k,
-                            scale_log2, block_m, False)  # fmt: skip
-            ring.consumer_release(state)
-            state.advance()
+        visit = functools.partial(
+            dkdv_query_tile, mmas=mmas, frags=frags, scores_t=scores_t, dp_t=dp_t, dk=dk,
+            dv=dv, lse=lse[b, h, None], delta=delta[b, h, None], score_coords=score_coords,
+            first_key=first_key, s_q=s_q, s_k=s_k, scale_log2=scale_log2, block_m=block_m,
+        )  # fmt: skip
+        state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
+        state = consume_tiles(ring, state, full, end, visit, False)
 
     for i in cutlass.range_constexpr(cute.size(dk)):
         dk[i] = dk[i] * scale
