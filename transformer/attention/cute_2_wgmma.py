@@ -141,6 +141,64 @@ def tma_tiles(tma, rows_by_d, buffers, rows, head_dim):
     )  # fmt: skip
 
 
+def stage_barriers(smem, stages):
+    """A one-stage pipeline's barriers (the operands loaded once) and a ring's."""
+    return (smem.allocate_array(cutlass.Int64, 2, byte_alignment=8),
+            smem.allocate_array(cutlass.Int64, 2 * stages, byte_alignment=8))  # fmt: skip
+
+
+def pipelines(barriers, once_bytes, tile_bytes, stages):
+    """(the operands loaded once, the ring): PipelineTmaAsync's. "full": one producer thread
+    arrives with the bytes TMA must deliver; "empty": lane 0 of each of the 8 consumer warps
+    (PipelineTmaAsync's signalling threads). The second create fences the barriers'
+    initialisation and syncs the block, so that no arrive or TMA completion reaches a barrier
+    before its init."""
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+    consumers = pipeline.CooperativeGroup(
+        pipeline.Agent.Thread, CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
+    )
+    once = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers[0], num_stages=1, producer_group=producer,
+        consumer_group=consumers, tx_count=once_bytes, defer_sync=True,
+    )  # fmt: skip
+    ring = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers[1], num_stages=stages, producer_group=producer,
+        consumer_group=consumers, tx_count=tile_bytes,
+    )  # fmt: skip
+    return once, ring
+
+
+def allocate(smem, dtype, layout, count):
+    """`count` buffers of a 128-byte-swizzled layout, 1024-byte aligned (the swizzle repeats
+    every 8 rows of 128 bytes)."""
+    return [smem.allocate_tensor(dtype, layout.outer, byte_alignment=1024, swizzle=layout.inner)
+            for _ in range(count)]  # fmt: skip
+
+
+@cute.jit
+def load_once(once_pipe, copies, block):
+    """The producer's first loads: each (atom, buffers' halves, tiles) copy of 64-row halves
+    `2 block` and `2 block + 1` into the two consumers' halves, all on one barrier."""
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    once_pipe.producer_acquire(state)  # a fresh barrier: no wait, it expects every byte
+    full = once_pipe.producer_get_barrier(state)
+    for tma, smem_part, gmem_part in copies:
+        for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+            cute.copy(tma, gmem_part[None, block * CONSUMER_WARPGROUPS + half],
+                      smem_part[None, half], tma_bar_ptr=full)  # fmt: skip
+
+
+@cute.jit
+def load_tile(ring, state, copies, tile):
+    """Tile `tile` of each (atom, ring's stages, tiles) copy into the ring's stage `state`,
+    once both consumers have released it."""
+    ring.producer_acquire(state)
+    full = ring.producer_get_barrier(state)
+    for tma, smem_part, gmem_part in copies:
+        cute.copy(tma, gmem_part[None, tile], smem_part[None, state.index], tma_bar_ptr=full)
+    ring.producer_commit(state)
+
+
 @cute.jit
 def produce(
     q_pipe, kv_pipe, tma_q, Q_tma, tma_k, K_tma, tma_v, V_tma, q_smem, k_smem, v_smem, b, h, g,
@@ -150,22 +208,15 @@ def produce(
     """The producer warp (TMA copies are issued by one elected thread): Q's two 64-row halves
     onto Q's barrier, then K and V tile by tile into the ring, each stage once both consumer
     warpgroups have released it."""
-    q_smem_part, q_gmem_part = tma_tiles(tma_q, Q_tma[None, None, h, b], q_smem, WGMMA_M, head_dim)
-    k_smem_part, k_gmem_part = tma_tiles(tma_k, K_tma[None, None, g, b], k_smem, block_n, head_dim)
-    v_smem_part, v_gmem_part = tma_tiles(tma_v, V_tma[None, None, g, b], v_smem, block_n, head_dim)
-    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-    q_pipe.producer_acquire(q_state)  # a fresh barrier: no wait, it expects Q's bytes
-    q_full = q_pipe.producer_get_barrier(q_state)
-    for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
-        cute.copy(tma_q, q_gmem_part[None, m_block * CONSUMER_WARPGROUPS + half],
-                  q_smem_part[None, half], tma_bar_ptr=q_full)  # fmt: skip
+    q_copy = (tma_q, *tma_tiles(tma_q, Q_tma[None, None, h, b], q_smem, WGMMA_M, head_dim))
+    kv_copies = [
+        (tma, *tma_tiles(tma, T[None, None, g, b], buffers, block_n, head_dim))
+        for tma, T, buffers in ((tma_k, K_tma, k_smem), (tma_v, V_tma, v_smem))
+    ]
+    load_once(q_pipe, [q_copy], m_block)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for tile in cutlass.range(n_tiles, unroll=1):
-        kv_pipe.producer_acquire(state)  # the stage is empty; expect K's and V's bytes
-        full = kv_pipe.producer_get_barrier(state)
-        cute.copy(tma_k, k_gmem_part[None, tile], k_smem_part[None, state.index], tma_bar_ptr=full)
-        cute.copy(tma_v, v_gmem_part[None, tile], v_smem_part[None, state.index], tma_bar_ptr=full)
-        kv_pipe.producer_commit(state)
+        load_tile(kv_pipe, state, kv_copies, tile)
         state.advance()
     # Exit only once the consumers have released every stage (their last arrives land here).
     kv_pipe.producer_tail(state)
@@ -319,34 +370,15 @@ def attention_forward_kernel(
         for atom in (tma_q, tma_k, tma_v, tma_o):
             cpasync.prefetch_descriptor(atom)
 
-    # Shared memory: the mbarriers (Q's full and empty, then the ring's), then the buffers,
-    # 1024-byte aligned: the 128-byte swizzle repeats every 8 rows of 128 bytes.
+    # Shared memory: the mbarriers (Q's full and empty, then the ring's), then the buffers.
     smem = SmemAllocator()
-    q_barriers = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-    kv_barriers = smem.allocate_array(cutlass.Int64, 2 * stages, byte_alignment=8)
-    q_smem = smem.allocate_tensor(dtype, q_layout.outer, byte_alignment=1024,
-                                  swizzle=q_layout.inner)  # fmt: skip
-    k_smem = smem.allocate_tensor(dtype, kv_layout.outer, byte_alignment=1024,
-                                  swizzle=kv_layout.inner)  # fmt: skip
-    v_smem = smem.allocate_tensor(dtype, kv_layout.outer, byte_alignment=1024,
-                                  swizzle=kv_layout.inner)  # fmt: skip
+    barriers = stage_barriers(smem, stages)
+    (q_smem,) = allocate(smem, dtype, q_layout, 1)
+    k_smem, v_smem = allocate(smem, dtype, kv_layout, 2)
     kv_stage = cute.slice_(kv_layout, (None, None, 0))
-    # "full": one producer thread arrives, with the bytes TMA must deliver; "empty": lane 0 of
-    # each of the 8 consumer warps arrives (PipelineTmaAsync's signalling threads).
-    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-    consumers = pipeline.CooperativeGroup(
-        pipeline.Agent.Thread, CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
-    )
-    q_pipe = pipeline.PipelineTmaAsync.create(
-        barrier_storage=q_barriers, num_stages=1, producer_group=producer,
-        consumer_group=consumers, tx_count=cute.size_in_bytes(dtype, q_layout),
-        defer_sync=True,
-    )  # fmt: skip
-    # The second create fences the barriers' initialisation and syncs the block, so that no
-    # arrive or TMA completion reaches a barrier before its init.
-    kv_pipe = pipeline.PipelineTmaAsync.create(
-        barrier_storage=kv_barriers, num_stages=stages, producer_group=producer,
-        consumer_group=consumers, tx_count=2 * cute.size_in_bytes(dtype, kv_stage),
+    q_pipe, kv_pipe = pipelines(
+        barriers, cute.size_in_bytes(dtype, q_layout), 2 * cute.size_in_bytes(dtype, kv_stage),
+        stages,
     )  # fmt: skip
 
     if warpgroup_index == 0:

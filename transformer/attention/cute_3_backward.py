@@ -89,12 +89,17 @@ from cute_2_wgmma import (
     THREADS,
     WARPGROUP_THREADS,
     WGMMA_M,
+    allocate,
     as_a_operand,
     by_rows,
     consume_tiles,
+    load_once,
+    load_tile,
     multiply,
+    pipelines,
     seq_major,
     smem_layouts,
+    stage_barriers,
     store_accumulator,
     tiled_mmas,
     tma_tiles,
@@ -112,62 +117,6 @@ TILES = {64: ((128, 3), (64, 3)), 128: ((64, 3), (32, 3))}
 # registers a thread has at entry, and then ignores every setmaxnreg (its warning C7508) and
 # fits the consumers in the launch's even share of 168 (the dK/dV kernel at D = 64 spilled).
 ONE_BLOCK_AN_SM = 1
-
-
-def stage_barriers(smem, stages):
-    """A one-stage pipeline's barriers (the operands loaded once) and a ring's."""
-    return (smem.allocate_array(cutlass.Int64, 2, byte_alignment=8),
-            smem.allocate_array(cutlass.Int64, 2 * stages, byte_alignment=8))  # fmt: skip
-
-
-def pipelines(barriers, once_bytes, tile_bytes, stages):
-    """(the operands loaded once, the ring): PipelineTmaAsync's, as step 2's kernel makes them.
-    "full": one producer thread arrives with the bytes TMA must deliver; "empty": lane 0 of each
-    of the 8 consumer warps. The second create syncs the block after the barriers' init."""
-    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-    consumers = pipeline.CooperativeGroup(
-        pipeline.Agent.Thread, CONSUMER_WARPGROUPS * WARPGROUP_THREADS // 32
-    )
-    once = pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers[0], num_stages=1, producer_group=producer,
-        consumer_group=consumers, tx_count=once_bytes, defer_sync=True,
-    )  # fmt: skip
-    ring = pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers[1], num_stages=stages, producer_group=producer,
-        consumer_group=consumers, tx_count=tile_bytes,
-    )  # fmt: skip
-    return once, ring
-
-
-def allocate(smem, dtype, layout, count):
-    """`count` buffers of a 128-byte-swizzled layout, 1024-byte aligned (the swizzle repeats
-    every 8 rows of 128 bytes)."""
-    return [smem.allocate_tensor(dtype, layout.outer, byte_alignment=1024, swizzle=layout.inner)
-            for _ in range(count)]  # fmt: skip
-
-
-@cute.jit
-def load_once(once_pipe, copies, block):
-    """The producer's first loads: each (atom, buffers' halves, tiles) copy of 64-row halves
-    `2 block` and `2 block + 1` into the two consumers' halves, all on one barrier."""
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-    once_pipe.producer_acquire(state)  # a fresh barrier: no wait, it expects every byte
-    full = once_pipe.producer_get_barrier(state)
-    for tma, smem_part, gmem_part in copies:
-        for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
-            cute.copy(tma, gmem_part[None, block * CONSUMER_WARPGROUPS + half],
-                      smem_part[None, half], tma_bar_ptr=full)  # fmt: skip
-
-
-@cute.jit
-def load_tile(ring, state, copies, tile):
-    """Tile `tile` of each (atom, ring's stages, tiles) copy into the ring's stage `state`,
-    once both consumers have released it."""
-    ring.producer_acquire(state)
-    full = ring.producer_get_barrier(state)
-    for tma, smem_part, gmem_part in copies:
-        cute.copy(tma, gmem_part[None, tile], smem_part[None, state.index], tma_bar_ptr=full)
-    ring.producer_commit(state)
 
 
 @cute.jit
