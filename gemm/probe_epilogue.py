@@ -13,11 +13,11 @@ Run from gemm/:
     python probe_epilogue.py [--plans]     (writes $OUT/probe_epilogue.json when OUT is set)
 """
 
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,19 +38,9 @@ CASES = (
 )
 
 
-@contextlib.contextmanager
-def registers_epilogue():
-    """While open, the Hopper kernel stores C from registers (stores_by_tma answers False)."""
-    rule = step2.stores_by_tma
-    step2.stores_by_tma = lambda C, tile_m: False
-    try:
-        yield
-    finally:
-        step2.stores_by_tma = rule
-
-
 def cute_from_registers(*args):
-    with registers_epilogue():
+    """cute_impl.gemm with C stored from registers (stores_by_tma answers False)."""
+    with mock.patch.object(step2, "stores_by_tma", lambda C, tile_m: False):
         return cute_impl.gemm(*args)
 
 
@@ -65,20 +55,11 @@ IMPLS = {
 PLAN_SQUARES = (1536, 2048, 3072)
 
 
-@contextlib.contextmanager
-def forced_tile_n(tile_n):
-    """While open, the Hopper kernel takes tiles of tile_n columns at every shape."""
-    rule = step2.hopper_tile_n
-    step2.hopper_tile_n = lambda m, n: tile_n
-    try:
-        yield
-    finally:
-        step2.hopper_tile_n = rule
-
-
 def forced_plan(tile_n, cluster_m):
+    """cute_impl.gemm on tiles of tile_n columns at every shape, in clusters of cluster_m."""
+
     def gemm(*args):
-        with forced_tile_n(tile_n):
+        with mock.patch.object(step2, "hopper_tile_n", lambda m, n: tile_n):
             return cute_impl.gemm(*args, cluster_m=cluster_m)
 
     return gemm
