@@ -166,11 +166,19 @@ def mask_scores(scores, coords, first_row, first_key, s_q, s_k, causal: cutlass.
 
 @cute.jit
 def online_softmax(scores, acc, row_max, row_sum, scale_log2):
-    """One key tile into the running softmax of the thread's rows: the tile's max over the
-    quad, the new max m (log2 units), scores replaced by P = exp2(c S - m), the thread's part
-    of the row sum and the accumulator rescaled by exp2(m_old - m). The row sums stay partial
-    per thread until the end (each adds its own columns): one quad reduction instead of one a
-    tile."""
+    """One key tile into the running softmax of the thread's rows: `softmax_rows`, then the
+    accumulator rescaled by exp2(m_old - m) (`rescale_rows`)."""
+    rescale = cute.make_rmem_tensor(cute.size(scores, mode=[0]), cutlass.Float32)
+    softmax_rows(scores, row_max, row_sum, rescale, scale_log2)
+    rescale_rows(acc, rescale)
+
+
+@cute.jit
+def softmax_rows(scores, row_max, row_sum, rescale, scale_log2):
+    """The tile's max over the quad, the new max m (log2 units), scores replaced by
+    P = exp2(c S - m), the thread's part of the row sum, and in `rescale` the factor
+    exp2(m_old - m) the accumulator's rows still owe. The row sums stay partial per thread
+    until the end (each adds its own columns): one quad reduction instead of one a tile."""
     for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
         tile_max = -cutlass.Float32.inf
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
@@ -179,16 +187,22 @@ def online_softmax(scores, acc, row_max, row_sum, scale_log2):
         # scale > 0: the max of the scaled scores is the scaled max
         new_max = cute.arch.fmax(row_max[r], tile_max * scale_log2)
         shift = cute.arch.fmax(new_max, LOWEST)
-        rescale = cute.math.exp2(row_max[r] - shift, fastmath=True)
+        rescale[r] = cute.math.exp2(row_max[r] - shift, fastmath=True)
         tile_sum = cutlass.Float32(0.0)
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             p = cute.math.exp2(scores[r, c] * scale_log2 - shift, fastmath=True)
             scores[r, c] = p
             tile_sum = tile_sum + p
-        row_sum[r] = row_sum[r] * rescale + tile_sum
+        row_sum[r] = row_sum[r] * rescale[r] + tile_sum
         row_max[r] = new_max
+
+
+@cute.jit
+def rescale_rows(acc, rescale):
+    """Each row of the accumulator (a rows-by-columns view) times its factor."""
+    for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            acc[r, c] = acc[r, c] * rescale
+            acc[r, c] = acc[r, c] * rescale[r]
 
 
 @cute.jit

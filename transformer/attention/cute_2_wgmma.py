@@ -26,8 +26,8 @@ row that sees no key). What changes is the machinery that feeds the tensor cores
   warpgroup.fence, D / 16 wgmmas, commit_group, then wait_group(0) before the softmax reads
   S. Its float32 accumulator gives each thread, as mma.sync's did, two adjacent columns of
   rows r and r + 8 in each 8-column slice, so a row lives in the 4 lanes of a quad and step
-  1's `quad_reduce`, `mask_scores` and `online_softmax` run unchanged on a (rows, columns)
-  view of it (`by_rows`).
+  1's `quad_reduce`, `mask_scores` and online softmax (`softmax_rows`, `rescale_rows`) run
+  unchanged on a (rows, columns) view of it (`by_rows`).
 - P V is a wgmma whose A operand comes from registers (`OperandSource.RMEM`): P is rounded to
   the input dtype in place of S's accumulator and reinterpreted as the A fragments of the next
   product (`as_a_operand`: the C fragments of two neighbouring 8-column slices make the A
@@ -61,7 +61,9 @@ waited for before its result is read; the two consumer warpgroups overlap each o
 the warp schedulers interleave them): that is a later step's FlashAttention-3 schedule.
 """
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -77,11 +79,12 @@ from cute_1_tiled import (
     finish_rows,
     key_tiles,
     mask_scores,
-    online_softmax,
     query_block,
+    rescale_rows,
+    softmax_rows,
 )
 
-__all__ = ["LOG2E", "TILES", "launch_forward"]
+__all__ = ["LOG2E", "TILES", "launch", "launch_forward"]
 
 WARPGROUP_THREADS = 128
 CONSUMER_WARPGROUPS = 2
@@ -223,13 +226,20 @@ def produce(
 
 
 @cute.jit
-def multiply(tiled_mma, acc, a_frag, b_frag):
-    """acc += A B over the k steps of the fragments: the warpgroup's wgmmas, issued together,
-    committed as one group and waited for (step 2 overlaps nothing within a warpgroup)."""
+def issue(tiled_mma, acc, a_frag, b_frag):
+    """acc += A B over the k steps of the fragments: the warpgroup's wgmmas, issued together
+    and committed as one group, not waited for (warpgroup.wait_group(n) waits until at most n
+    groups are still running, oldest first)."""
     warpgroup.fence()  # acc's registers (and P's) are written before the wgmmas read them
     for kk in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
         cute.gemm(tiled_mma, acc, a_frag[None, None, kk], b_frag[None, None, kk], acc)
     warpgroup.commit_group()
+
+
+@cute.jit
+def multiply(tiled_mma, acc, a_frag, b_frag):
+    """`issue`, then wait for the group: nothing else runs within the warpgroup meanwhile."""
+    issue(tiled_mma, acc, a_frag, b_frag)
     warpgroup.wait_group(0)
 
 
@@ -247,24 +257,70 @@ def consume_tiles(ring, state, first, end, visit, masked: cutlass.Constexpr):
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class TileSteps:
+    """A consumer warpgroup's work on one key tile, in the pieces a schedule orders (each a
+    partial over the warpgroup's fragments, registers and row statistics, `consume` builds):
+    scores(stage) issues S = Q K^T (not waited for); softmax(tile, masked) masks S and turns
+    it into P and the rows' rescale factors (`softmax_rows`); rescale() multiplies O's rows by
+    those factors; round() rounds P to the dtype into the registers of the next product's A
+    operand; values(stage) issues O += P V (not waited for)."""
+
+    scores: Callable
+    softmax: Callable
+    rescale: Callable
+    round: Callable
+    values: Callable
+
+
 @cute.jit
-def key_tile(
-    stage, tile, mmas, frags, scores, acc, row_max, row_sum, score_coords, first_row, s_q, s_k,
-    scale_log2, block_n: cutlass.Constexpr, masked: cutlass.Constexpr,
-    causal: cutlass.Constexpr,
-):  # fmt: skip
-    """Key tile `tile`, landed in ring stage `stage`, into this warpgroup's O."""
-    mma_qk, mma_pv = mmas
-    q_frag, k_frag, v_frag = frags
+def issue_scores(stage, mma_qk, q_frag, k_frag, scores):
     scores.fill(0.0)  # the wgmmas accumulate: 0 + s is exact
-    multiply(mma_qk, scores, q_frag, k_frag[None, None, None, stage])
+    issue(mma_qk, scores, q_frag, k_frag[None, None, None, stage])
+
+
+@cute.jit
+def issue_values(stage, mma_pv, p, v_frag, acc):
+    issue(mma_pv, acc, as_a_operand(p), v_frag[None, None, None, stage])
+
+
+@cute.jit
+def round_scores(scores, p):
+    p.store(scores.load().to(p.element_type))  # round(P): the A operand, from registers
+
+
+@cute.jit
+def softmax_tile(
+    tile, scores, row_max, row_sum, rescale, score_coords, first_row, s_q, s_k, scale_log2,
+    block_n: cutlass.Constexpr, causal: cutlass.Constexpr, masked: cutlass.Constexpr,
+):  # fmt: skip
     score_rows = by_rows(scores)
     if cutlass.const_expr(masked):
         mask_scores(score_rows, score_coords, first_row, tile * block_n, s_q, s_k, causal)
-    online_softmax(score_rows, by_rows(acc), row_max, row_sum, scale_log2)
-    p = cute.make_rmem_tensor_like(scores, mma_pv.op.a_dtype)
-    p.store(scores.load().to(mma_pv.op.a_dtype))  # round(P): the A operand, from registers
-    multiply(mma_pv, acc, as_a_operand(p), v_frag[None, None, None, stage])
+    softmax_rows(score_rows, row_max, row_sum, rescale, scale_log2)
+
+
+@cute.jit
+def serial_tile(stage, tile, steps, masked: cutlass.Constexpr):
+    """Key tile `tile`, landed in ring stage `stage`, into this warpgroup's O, one piece after
+    the other: each product waited for before its result is read."""
+    steps.scores(stage)
+    warpgroup.wait_group(0)
+    steps.softmax(tile, masked=masked)
+    steps.rescale()
+    steps.round()
+    steps.values(stage)
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def serial_key_loop(ring, steps, n_tiles, full_tiles, half, stages: cutlass.Constexpr):
+    """Step 2's schedule: the key tiles one after the other (whole tiles without a mask, then
+    the tail and the causal band with one), each released once its products completed."""
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    visit = functools.partial(serial_tile, steps=steps)
+    state = consume_tiles(ring, state, 0, full_tiles, visit, False)
+    state = consume_tiles(ring, state, full_tiles, n_tiles, visit, True)
 
 
 @cute.jit
@@ -272,10 +328,11 @@ def consume(
     q_pipe, kv_pipe, mma_qk, mma_pv, tma_o, O_tma, lse, q_smem, k_smem, v_smem, thread,
     warpgroup_index, b, h, m_block, n_tiles, full_tiles, s_q, s_k, scale_log2,
     head_dim: cutlass.Constexpr, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-    causal: cutlass.Constexpr,
+    causal: cutlass.Constexpr, key_loop: cutlass.Constexpr,
 ):  # fmt: skip
-    """A consumer warpgroup: its 64 query rows against every key tile of the block, then its
-    part of O and lse."""
+    """A consumer warpgroup: its 64 query rows against every key tile of the block, in the
+    order `key_loop` schedules the pieces of each (`TileSteps`), then its part of O and
+    lse."""
     half = warpgroup_index - 1  # which 64 rows of the block, and which half of Q's buffer
     mine = thread % WARPGROUP_THREADS
     first_row = m_block * BLOCK_M + half * WGMMA_M
@@ -288,6 +345,7 @@ def consume(
     v_frag = mma_pv.make_fragment_B(pv_thread.partition_B(v_t_smem))
     scores = cute.make_rmem_tensor(qk_thread.partition_shape_C((WGMMA_M, block_n)),
                                    cutlass.Float32)  # fmt: skip
+    p = cute.make_rmem_tensor_like(scores, mma_pv.op.a_dtype)
     acc = cute.make_rmem_tensor(pv_thread.partition_shape_C((WGMMA_M, head_dim)), cutlass.Float32)
     acc.fill(0.0)
     mma_qk.set(warpgroup.Field.ACCUMULATE, True)
@@ -296,20 +354,25 @@ def consume(
     rows_held = cute.size(score_coords, mode=[0])  # 2: rows r and r + 8 of the thread's warp
     row_max = cute.make_rmem_tensor(rows_held, cutlass.Float32)
     row_sum = cute.make_rmem_tensor(rows_held, cutlass.Float32)
+    rescale = cute.make_rmem_tensor(rows_held, cutlass.Float32)
     row_max.fill(-cutlass.Float32.inf)
     row_sum.fill(0.0)
+    steps = TileSteps(
+        scores=functools.partial(issue_scores, mma_qk=mma_qk, q_frag=q_frag, k_frag=k_frag,
+                                 scores=scores),
+        softmax=functools.partial(
+            softmax_tile, scores=scores, row_max=row_max, row_sum=row_sum,
+            rescale=rescale, score_coords=score_coords, first_row=first_row, s_q=s_q,
+            s_k=s_k, scale_log2=scale_log2, block_n=block_n, causal=causal,
+        ),
+        rescale=functools.partial(rescale_rows, by_rows(acc), rescale),
+        round=functools.partial(round_scores, scores, p),
+        values=functools.partial(issue_values, mma_pv=mma_pv, p=p, v_frag=v_frag, acc=acc),
+    )  # fmt: skip
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     q_pipe.consumer_wait(q_state)  # Q has landed (always: the epilogue reuses its buffer)
-    mmas, frags = (mma_qk, mma_pv), (q_frag, k_frag, v_frag)
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    visit = functools.partial(
-        key_tile, mmas=mmas, frags=frags, scores=scores, acc=acc, row_max=row_max,
-        row_sum=row_sum, score_coords=score_coords, first_row=first_row, s_q=s_q, s_k=s_k,
-        scale_log2=scale_log2, block_n=block_n, causal=causal,
-    )  # fmt: skip
-    state = consume_tiles(kv_pipe, state, 0, full_tiles, visit, False)
-    state = consume_tiles(kv_pipe, state, full_tiles, n_tiles, visit, True)
+    key_loop(kv_pipe, steps, n_tiles, full_tiles, half, stages)
 
     finish_rows(by_rows(acc), row_max, row_sum, score_coords, first_row, s_q, lse, b, h,
                 thread % 32)  # fmt: skip
@@ -358,7 +421,7 @@ def attention_forward_kernel(
     mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
     kv_layout: cute.ComposedLayout, dtype: cutlass.Constexpr, head_dim: cutlass.Constexpr[int],
     block_n: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
+    causal: cutlass.Constexpr[bool], key_loop: cutlass.Constexpr,
 ):  # fmt: skip
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
@@ -390,7 +453,7 @@ def attention_forward_kernel(
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
         consume(q_pipe, kv_pipe, mma_qk, mma_pv, tma_o, O_tma, lse, q_smem, k_smem, v_smem,
                 thread, warpgroup_index, b, h, m_block, n_tiles, full_tiles, s_q, s_k,
-                scale_log2, head_dim, block_n, stages, causal)  # fmt: skip
+                scale_log2, head_dim, block_n, stages, causal, key_loop)  # fmt: skip
 
 
 def seq_major(t, seq, heads, batch):
@@ -451,6 +514,19 @@ def launch_forward(
     """The forward over (B, S, H, D) operands with 16-byte aligned bases and batch, sequence
     and head strides that are multiples of 16 bytes (what TMA needs; cute_impl checks)."""
     block_n, stages = TILES[head_dim]
+    launch(q, k, v, o, lse, scale_log2, stream, head_dim, causal, block_n, stages,
+           serial_key_loop)  # fmt: skip
+
+
+@cute.jit
+def launch(
+    q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+    scale_log2: cutlass.Float32, stream: cuda.CUstream, head_dim: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool], block_n: cutlass.Constexpr[int],
+    stages: cutlass.Constexpr[int], key_loop: cutlass.Constexpr,
+):  # fmt: skip
+    """launch_forward with the tile, the ring's depth and the consumers' schedule given (step
+    3's forward changes only those)."""
     dtype = q.element_type
     batch = cutlass.Int32(cute.size(q, mode=[0]))
     s_q, heads = cutlass.Int32(cute.size(q, mode=[1])), cutlass.Int32(cute.size(q, mode=[2]))
@@ -477,6 +553,6 @@ def launch_forward(
     attention_forward_kernel(
         tma_q, Q_tma, tma_k, K_tma, tma_v, V_tma, tma_o, O_tma, lse, scale_log2, s_q, s_k,
         heads, heads // heads_kv, m_blocks, mma_qk, mma_pv, q_layout, kv_layout, dtype,
-        head_dim, block_n, stages, causal,
+        head_dim, block_n, stages, causal, key_loop,
     ).launch(grid=[m_blocks * heads * batch, 1, 1], block=[THREADS, 1, 1],
              stream=stream)  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 import cute_1_tiled
 import cute_2_wgmma
 import cute_3_backward
+import cute_3_overlap
 import triton_impl
 from reference import (
     backward_inputs,
@@ -53,10 +54,11 @@ def aligned(t):
     return t.data_ptr() % ALIGN_BYTES == 0 and all(s % per_vector == 0 for s in t.stride()[:3])
 
 
-# The CuTe steps' kernels by number: step 1 (warp-level MMA) is the default; step 2 (TMA and
-# wgmma, Hopper only) runs where asked for (`attention_forward_step2`).
-STEPS = {1: cute_1_tiled, 2: cute_2_wgmma}
-BACKWARD_STEP = 3  # cute_3_backward.py: the backward (TMA and wgmma, Hopper only)
+# The CuTe steps' forward kernels by number: step 1 (warp-level MMA) is the default; steps 2
+# (TMA and wgmma) and 3 (the FlashAttention-3 schedule), Hopper only, run where asked for
+# (`attention_forward_step2`, `attention_forward_step3`). Step 3's backward is
+# cute_3_backward.py (`attention_backward_cute`).
+STEPS = {1: cute_1_tiled, 2: cute_2_wgmma, 3: cute_3_overlap}
 
 
 def kernel_takes(q, k, v, o, step=1):
@@ -103,12 +105,13 @@ def fake_rows(batch, heads, s_q):
     )  # fmt: skip
 
 
-def build(dtype, head_dim, causal, options="", step=1):
-    """cute.compile the launcher for TVM-FFI calls on torch tensors, on torch's current
-    stream. q and o share the symbols (B, S_q, H), k and v (B, S_k, H_kv); D is a constant;
-    the strides are 64-bit symbols, multiples of 8 elements, on 16-byte aligned bases; lse
-    (B, H, S_q) float32 takes any strides. Step 3 is the backward (`build_backward`)."""
-    if step == BACKWARD_STEP:
+def build(dtype, head_dim, causal, options="", step=1, backward=False):
+    """cute.compile step `step`'s forward launcher for TVM-FFI calls on torch tensors, on
+    torch's current stream. q and o share the symbols (B, S_q, H), k and v (B, S_k, H_kv); D
+    is a constant; the strides are 64-bit symbols, multiples of 8 elements, on 16-byte aligned
+    bases; lse (B, H, S_q) float32 takes any strides. backward: step 3's backward
+    (`build_backward`)."""
+    if backward:
         return build_backward(dtype, head_dim, causal, options)
     batch, s_q, s_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
     q, o = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(2))
@@ -136,18 +139,18 @@ def build_backward(dtype, head_dim, causal, options=""):
 
 
 @functools.cache
-def compile_step(dtype, head_dim, causal, step=1):
-    """The compiled forward for (dtype, D, causal) of step `step` (3: the backward), built once
-    (seconds, no GPU needed)."""
-    return build(dtype, head_dim, causal, step=step).__tvm_ffi_object__()
+def compile_step(dtype, head_dim, causal, step=1, backward=False):
+    """The compiled forward of step `step` (or the backward) for (dtype, D, causal), built
+    once (seconds, no GPU needed)."""
+    return build(dtype, head_dim, causal, step=step, backward=backward).__tvm_ffi_object__()
 
 
-def ptx_of(dtype, head_dim, causal, step=1):
+def ptx_of(dtype, head_dim, causal, step=1, backward=False):
     """The sm_90a PTX of a build: what the tests read (step 1: mma.sync, ldmatrix and
-    cp.async; step 2: wgmma, TMA and mbarriers; step 3, the backward's two kernels, alike)."""
+    cp.async; steps 2 and 3: wgmma, TMA and mbarriers; the backward's two kernels, alike)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
-        return build(dtype, head_dim, causal, options, step).__ptx__
+        return build(dtype, head_dim, causal, options, step, backward).__ptx__
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
@@ -182,6 +185,12 @@ def attention_forward_step2(q, k, v, causal, scale, o, lse):
     return run_forward(q, k, v, causal, scale, o, lse, step=2)
 
 
+def attention_forward_step3(q, k, v, causal, scale, o, lse):
+    """The forward on step 3's kernel (cute_3_overlap.py: step 2's on the FlashAttention-3
+    schedule; a Hopper GPU), with attention_forward's validation and routing."""
+    return run_forward(q, k, v, causal, scale, o, lse, step=3)
+
+
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     """Triton's backward (triton_impl.attention_backward, which validates every operand): the
     CuTe backward (`attention_backward_cute`) becomes the default once it has passed its tests
@@ -204,7 +213,7 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         return dq, dk, dv
     scale = default_scale(q.shape[3], scale)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # kernel 1 -> 2
-    kernel = compile_step(q.dtype, q.shape[3], causal, BACKWARD_STEP)
+    kernel = compile_step(q.dtype, q.shape[3], causal, backward=True)
     kernel(q, k, v, o, lse, do, dq, dk, dv, delta, scale * cute_1_tiled.LOG2E, scale)
     return dq, dk, dv
 
@@ -214,6 +223,9 @@ AttentionFunction, attention, _forward_op = model_plumbing(
 )
 # Step 2 in a model's place (bench.py times it beside step 1), until it becomes the default.
 _, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2, attention_backward)
+# Step 3 whole: its forward and its backward.
+_, attention_step3, _ = model_plumbing("cute_step3", attention_forward_step3,
+                                       attention_backward_cute)  # fmt: skip
 # Step 3's backward behind step 1's forward, likewise, until it becomes the default backward.
 _, attention_cute_backward, _ = model_plumbing("cute_bwd", attention_forward,
                                                attention_backward_cute)  # fmt: skip

@@ -59,9 +59,10 @@ try:
     import cute_1_tiled
     import cute_2_wgmma
     import cute_3_backward
+    import cute_3_overlap
     import cute_impl
 except ImportError as error:  # no CuTe DSL: its tests skip and say why
-    cute_1_tiled = cute_2_wgmma = cute_3_backward = cute_impl = None
+    cute_1_tiled = cute_2_wgmma = cute_3_backward = cute_3_overlap = cute_impl = None
     CUTE_MISSING = f"cute_impl cannot be imported ({error})"
 else:
     CUTE_MISSING = None
@@ -71,15 +72,15 @@ else:
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
-if cute_impl is not None:  # step 2's forward and step 3's backward, called explicitly (neither
-    # is yet the default); step 3 runs behind step 1's forward.
+if cute_impl is not None:  # steps 2 and 3, called explicitly (neither is yet the default):
+    # step 2's forward, step 3's forward and backward.
     IMPLS["cute step 2"] = types.SimpleNamespace(
         attention_forward=cute_impl.attention_forward_step2
     )
     IMPLS["cute step 3"] = types.SimpleNamespace(
-        attention_forward=cute_impl.attention_forward,
+        attention_forward=cute_impl.attention_forward_step3,
         attention_backward=cute_impl.attention_backward_cute,
-        attention=cute_impl.attention_cute_backward,
+        attention=cute_impl.attention_step3,
     )
 needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
@@ -655,19 +656,25 @@ def test_triton_kernels_run_in_a_fresh_interpreter():
 
 CUTE_DTYPES = [torch.float16, torch.bfloat16]
 CUTE_HEAD_DIMS = sorted(cute_1_tiled.TILES) if cute_1_tiled else []
-# The CuTe steps a test runs over: step 1 (warp-level MMA, the public forward), step 2 (TMA
-# and wgmma, cute_impl.attention_forward_step2) and step 3 (the backward on TMA and wgmma,
-# cute_impl.attention_backward_cute, behind step 1's forward); neither 2 nor 3 is yet a
-# default. Tests of the forward alone run over FORWARD_STEPS.
+# The CuTe steps a test runs over: step 1 (warp-level MMA, the public forward), step 2 (TMA and
+# wgmma, cute_impl.attention_forward_step2) and step 3 (the FlashAttention-3 schedule,
+# attention_forward_step3, and the backward on TMA and wgmma, attention_backward_cute);
+# neither 2 nor 3 is yet a default. A GPU test of step 3 checks its backward too (behind its
+# forward); tests of the forward alone run over FORWARD_STEPS.
 BACKWARD_STEP = 3
-FORWARD_STEPS = [1, 2]
-CUTE_STEPS = [*FORWARD_STEPS, BACKWARD_STEP]
+FORWARD_STEPS = [1, 2, 3]
+CUTE_STEPS = FORWARD_STEPS
+# The builds the CPU tests compile: each step's forward, then step 3's backward.
+BACKWARD = "3-backward"
+CUTE_BUILDS = [*FORWARD_STEPS, BACKWARD]
 
 
 @functools.cache
-def cute_ptx(dtype, head_dim, causal, step=1):
+def cute_ptx(dtype, head_dim, causal, build=1):
     """The sm_90a PTX of a CuTe build, compiled once per test session (about 2 s each)."""
-    return cute_impl.ptx_of(dtype, head_dim, causal, step)
+    if build == BACKWARD:
+        return cute_impl.ptx_of(dtype, head_dim, causal, BACKWARD_STEP, backward=True)
+    return cute_impl.ptx_of(dtype, head_dim, causal, build)
 
 
 def step1_ptx_promises(kind, head_dim):
@@ -704,7 +711,22 @@ def step2_ptx_promises(kind, head_dim):
     return expected, present, ["mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group"]
 
 
-def step3_ptx_promises(kind, head_dim, causal):
+def step3_ptx_promises(kind, head_dim):
+    """The map of cute_3_overlap.py: step 2's, the loop over key tiles written three times
+    (tile 0's S, then S of a tile with P V of the one before, without and with the mask, then
+    the last P V), the wait for S alone while P V runs (wait_group 1), and the two consumers'
+    turns on named barriers of 256 threads. As (instruction counts, present, absent)."""
+    block_n, _ = cute_3_overlap.TILES[head_dim]
+    wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
+    expected = collections.Counter({wgmma.format(block_n): 3 * head_dim // 16})
+    expected[wgmma.format(head_dim)] += 3 * block_n // 16
+    expected[REGISTER_A_WGMMA] = 3 * block_n // 16
+    _, present, absent = step2_ptx_promises(kind, head_dim)
+    present = [*present, "wgmma.wait_group.sync.aligned \t1;", ", 256;", "bar.arrive"]
+    return expected, present, absent
+
+
+def backward_ptx_promises(kind, head_dim, causal):
     """The map of cute_3_backward.py, two kernels of two loops each (the dK/dV kernel's masked
     loop only when causal: no query tile needs a mask otherwise): dQ's S and dP (64 x BLOCK_N,
     D / 16 wgmmas each a tile) and dQ += dS K (64 x D, BLOCK_N / 16, dS in registers);
@@ -731,17 +753,17 @@ REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\S* \{[^}]*\}, \{")
 ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(red|atom)\.", re.MULTILINE)
 
 
-def missing_ptx_facts(ptx, dtype, head_dim, step=1, causal=False):
-    """What README.md's CuTe step `step` promises and `ptx` lacks (an empty list: all there):
-    the step's own instructions and counts (step1_ptx_promises to step3_ptx_promises), and for
-    every step exp2 as ex2.approx.ftz (the bound counts it), no approximate division, and no
-    local memory (no register array indexed at run time); the forwards' 1 / l correctly
-    rounded."""
+def missing_ptx_facts(ptx, dtype, head_dim, build=1, causal=False):
+    """What README.md's CuTe build `build` (a step's forward, or BACKWARD) promises and `ptx`
+    lacks (an empty list: all there): the build's own instructions and counts
+    (step1_ptx_promises to backward_ptx_promises), and for every build exp2 as ex2.approx.ftz
+    (the bound counts it), no approximate division, and no local memory (no register array
+    indexed at run time); the forwards' 1 / l correctly rounded."""
     kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    promises = {1: step1_ptx_promises, 2: step2_ptx_promises,
-                3: functools.partial(step3_ptx_promises, causal=causal)}[step]  # fmt: skip
-    expected, present, absent = promises(kind, head_dim)
-    present = [*present, "ex2.approx.ftz.f32", *(["rcp.rn.f32"] if step in FORWARD_STEPS else [])]
+    promises = {1: step1_ptx_promises, 2: step2_ptx_promises, 3: step3_ptx_promises,
+                BACKWARD: functools.partial(backward_ptx_promises, causal=causal)}  # fmt: skip
+    expected, present, absent = promises[build](kind, head_dim)
+    present = [*present, "ex2.approx.ftz.f32", *(["rcp.rn.f32"] if build != BACKWARD else [])]
     absent = [*absent, "ld.local", "st.local", "rcp.approx", "div.approx"]
 
     def count(instruction):
@@ -756,64 +778,73 @@ def missing_ptx_facts(ptx, dtype, head_dim, step=1, causal=False):
                for instruction, n in expected.items() if count(instruction) != n]  # fmt: skip
     missing += [instruction for instruction in present if instruction not in ptx]
     missing += [f"no {name(instruction)}" for instruction in absent if count(instruction)]
-    if step == 1 and "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
+    if build == 1 and "cp.async.cg.shared.global" in ptx and ", 16, 16;" not in ptx:
         missing.append("16-byte cp.async")
     return missing
 
 
 @needs_cute
-@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("build", CUTE_BUILDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
-def test_cute_builds_for_hopper(dtype, head_dim, causal, step):
-    """Every specialisation each CuTe step is built for compiles for sm_90a (no GPU) into
+def test_cute_builds_for_hopper(dtype, head_dim, causal, build):
+    """Every specialisation each CuTe build is compiled for compiles for sm_90a (no GPU) into
     the instructions its step promises (step 1: warp-level MMA fed by ldmatrix and cp.async;
-    step 2: wgmma fed by TMA and mbarriers; step 3, the backward: the same in two kernels, no
-    atomics), with the instructions the bound counts."""
-    ptx = cute_ptx(dtype, head_dim, causal, step)
-    assert missing_ptx_facts(ptx, dtype, head_dim, step, causal) == []
+    step 2: wgmma fed by TMA and mbarriers; step 3: step 2's on the overlapped schedule; the
+    backward: the same in two kernels, no atomics), with the instructions the bound counts."""
+    ptx = cute_ptx(dtype, head_dim, causal, build)
+    assert missing_ptx_facts(ptx, dtype, head_dim, build, causal) == []
 
 
 @needs_cute
-@pytest.mark.parametrize("step", CUTE_STEPS)
-def test_cute_ptx_check_rejects_other_builds(step):
+@pytest.mark.parametrize("build", CUTE_BUILDS)
+def test_cute_ptx_check_rejects_other_builds(build):
     """Negative control of the check above: another head dimension's build (its MMA count),
     the other dtype's (its MMA type), another step's build, the PTX with its MMAs or its loads
-    removed, and (the backward) with a float atomic added or the launch bound that keeps
-    setmaxnreg removed."""
-    ptx = cute_ptx(torch.bfloat16, 64, False, step)
-    assert missing_ptx_facts(ptx, torch.bfloat16, 64, step) == []
-    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False, step), torch.bfloat16, 64, step)
-    assert missing_ptx_facts(ptx, torch.float16, 64, step)
-    other_step = {1: 2, 2: 1, 3: 2}[step]
-    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 64, False, other_step), torch.bfloat16, 64,
-                             step)  # fmt: skip
+    removed (step 3: its wait for S alone or its turns), and (the backward) with a float
+    atomic added or the launch bound that keeps setmaxnreg removed."""
+    ptx = cute_ptx(torch.bfloat16, 64, False, build)
+    assert missing_ptx_facts(ptx, torch.bfloat16, 64, build) == []
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 128, False, build), torch.bfloat16, 64,
+                             build)  # fmt: skip
+    assert missing_ptx_facts(ptx, torch.float16, 64, build)
+    other_build = {1: 2, 2: 3, 3: 2, BACKWARD: 2}[build]
+    assert missing_ptx_facts(cute_ptx(torch.bfloat16, 64, False, other_build), torch.bfloat16,
+                             64, build)  # fmt: skip
     stripped_instructions = {
         1: ("mma.sync", "cp.async.cg"),
         2: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix"),
-        3: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix", ".minnctapersm"),
+        3: (
+            "wgmma.mma_async",
+            "cp.async.bulk.tensor",
+            "wgmma.wait_group.sync.aligned \t1;",
+            "bar.arrive",
+        ),
+        BACKWARD: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix", ".minnctapersm"),
     }
-    for instruction in stripped_instructions[step]:
+    for instruction in stripped_instructions[build]:
         stripped = "\n".join(line for line in ptx.splitlines() if instruction not in line)
-        assert missing_ptx_facts(stripped, torch.bfloat16, 64, step)
-    if step == BACKWARD_STEP:
+        assert missing_ptx_facts(stripped, torch.bfloat16, 64, build)
+    if build == BACKWARD:
         atomic = ptx.replace("\tret;", "\tred.global.add.f32 [%rd1], %f1;\n\tret;", 1)
-        assert missing_ptx_facts(atomic, torch.bfloat16, 64, step) == [f"no {ATOMIC.pattern}"]
+        assert missing_ptx_facts(atomic, torch.bfloat16, 64, build) == [f"no {ATOMIC.pattern}"]
 
 
 @needs_cute
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (the CUDA toolkit's)")
-@pytest.mark.parametrize("step", CUTE_STEPS)
+@pytest.mark.parametrize("build", CUTE_BUILDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", CUTE_HEAD_DIMS)
-def test_cute_tiles_fit_the_registers(head_dim, causal, step, tmp_path):
+def test_cute_tiles_fit_the_registers(head_dim, causal, build, tmp_path):
     """ptxas for sm_90a fits each bf16 build in the registers without spilling: the reason
-    cute_1_tiled.TILES gives for its tiles, and cute_2_wgmma.TILES and cute_3_backward.TILES
-    for theirs (within the consumers' setmaxnreg budget, which ptxas honours: 168 spills at
-    D = 128; its warning C7508 would say it ignored setmaxnreg)."""
+    cute_1_tiled.TILES gives for its tiles, and cute_2_wgmma.TILES, cute_3_overlap.TILES and
+    cute_3_backward.TILES for theirs (within the consumers' setmaxnreg budget, which ptxas
+    honours: 168 spills at D = 128; its warning C7508 would say it ignored setmaxnreg), and
+    the overlapped schedule's wgmmas are not serialised (ptxas's warnings C7510 and C7515
+    would say one reads or writes registers while a wgmma still owns them)."""
     source = tmp_path / "forward.ptx"
-    source.write_text(cute_ptx(torch.bfloat16, head_dim, causal, step))
+    source.write_text(cute_ptx(torch.bfloat16, head_dim, causal, build))
     done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "o")],
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
@@ -821,6 +852,7 @@ def test_cute_tiles_fit_the_registers(head_dim, causal, step, tmp_path):
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)  # every kernel's
     assert spills and set(spills) == {"0"}, done.stderr
     assert "C7508" not in done.stderr, "ptxas ignored setmaxnreg"
+    assert "serializ" not in done.stderr.lower(), done.stderr
 
 
 def wgmma_tiles():
@@ -830,7 +862,8 @@ def wgmma_tiles():
     transposed."""
     if cute_impl is None:
         return []
-    tiles = {(d, *tile) for d, tile in cute_2_wgmma.TILES.items()}
+    forwards = (cute_2_wgmma, cute_3_overlap)
+    tiles = {(d, *tile) for step in forwards for d, tile in step.TILES.items()}
     tiles |= {(d, *tile) for d, pair in cute_3_backward.TILES.items() for tile in pair}
     return sorted(tiles)
 
@@ -967,18 +1000,18 @@ def test_cute_routes_what_the_kernel_does_not_take():
 
 @needs_cute
 @pytest.mark.skipif(ON_GPU, reason="the CPU refusal; the GPU runs the kernel")
-@pytest.mark.parametrize("step", CUTE_STEPS)
-def test_cute_refuses_cpu_tensors(step):
+@pytest.mark.parametrize("build", CUTE_BUILDS)
+def test_cute_refuses_cpu_tensors(build):
     """Valid operands on the CPU: a clear error after the validation, the outputs untouched
-    (step 3: dQ, dK and dV)."""
+    (the backward: dQ, dK and dV)."""
     q, k, v, do = operands(1, 4, 4, 2, 1, 64, torch.bfloat16)
     o, lse = torch.full_like(q, 7.0), torch.full((1, 2, 4), 7.0)
     grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
     with pytest.raises(ValueError, match="CUDA"):
-        if step == BACKWARD_STEP:
-            IMPLS[CUTE_IMPLS[step]].attention_backward(q, k, v, o, lse, do, False, None, *grads)
+        if build == BACKWARD:
+            cute_impl.attention_backward_cute(q, k, v, o, lse, do, False, None, *grads)
         else:
-            IMPLS[CUTE_IMPLS[step]].attention_forward(q, k, v, False, None, o, lse)
+            IMPLS[CUTE_IMPLS[build]].attention_forward(q, k, v, False, None, o, lse)
     assert (o == 7).all() and (lse == 7).all() and all((g == 7).all() for g in grads)
 
 
@@ -991,15 +1024,15 @@ def check_cute_forward(q, k, v, causal, scale=None, o=None, lse=None, step=1):
 
 
 def check_cute_backward(q, k, v, do, causal, scale=None, grads=None):
-    """check_backward through step 3's backward (behind step 1's forward, into grads when
-    given), asserting that its kernels (not Triton's) ran; returns [dQ, dK, dV]."""
+    """check_backward through step 3's forward and backward (into grads when given),
+    asserting that its kernels (not Triton's) ran; returns [dQ, dK, dV]."""
     grads = [torch.empty_like(t) for t in (q, k, v)] if grads is None else grads
     o = torch.empty_like(q)  # as check_forward makes it
     assert cute_impl.backward_kernel_takes(q, k, v, o, do, *grads), "this would go to Triton"
     return check_backward(CUTE_IMPLS[BACKWARD_STEP], q, k, v, do, causal, scale, grads)
 
 
-# IMPLS's names of the steps' forwards (step 3: its backward's, behind step 1's forward).
+# IMPLS's names of the steps (step 3's: its forward and its backward).
 CUTE_IMPLS = {1: "cute", 2: "cute step 2", 3: "cute step 3"}
 
 
@@ -1020,7 +1053,7 @@ CUTE_SHAPES = [
 @pytest.mark.parametrize("dtype", CUTE_DTYPES, ids=str)
 def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape, step):
     """Each CuTe step's kernel itself (not the Triton route) within README.md's forward bound
-    (step 3: its backward's): tails of every length, the causal diagonal both ways, GQA and
+    (step 3: its backward's too): tails of every length, the causal diagonal both ways, GQA and
     MQA, fully masked rows (and, in steps 2 and 3, rows past S_q or S_k in a consumer's 64 and
     rings wrapping around their mbarrier phases many times: at S_k = 1000, and over a group's
     query heads in step 3's dK/dV kernel)."""
@@ -1031,7 +1064,6 @@ def test_cute_kernel_matches_definition(dtype, head_dim, causal, shape, step):
         dq, _, _ = check_cute_backward(q, k, v, do, causal)
         if causal and s_q > s_k:  # rows that see no key: dQ = 0
             assert (dq[:, : s_q - s_k] == 0).all()
-        return
     o, lse = check_cute_forward(q, k, v, causal, step=step)
     if causal and s_q > s_k:
         assert (o[:, : s_q - s_k] == 0).all() and (lse[:, :, : s_q - s_k] == -math.inf).all()
@@ -1097,8 +1129,8 @@ def guarded_rows(shape, dtype):
 @pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_kernel_outputs_inside_guard(step):
     """O as a 16-byte aligned view inside a NaN-filled buffer (so the kernel takes it) and lse
-    as a view of another: every element inside written, nothing outside touched. Step 3: dQ,
-    dK and dV so, twice, the same bits both times (no atomics; a KV head's 3 query heads
+    as a view of another: every element inside written, nothing outside touched. Step 3 also
+    dQ, dK and dV so, twice, the same bits both times (no atomics; a KV head's 3 query heads
     summed in order)."""
     q, k, v, do = operands(2, 75, 75, 3, 1, 64, torch.float16)
     if step == BACKWARD_STEP:
@@ -1111,7 +1143,6 @@ def test_cute_kernel_outputs_inside_guard(step):
             runs.append(grads)
         for first, second in zip(*runs, strict=True):
             assert_same_bits(first, second, "CuTe backward, run twice")
-        return
     o, o_buffer, inside = guarded_rows(q.shape, q.dtype)
     lse, lse_buffer = guarded((2, 3, 75), torch.float32)
     check_cute_forward(q, k, v, True, o=o, lse=lse, step=step)
