@@ -88,10 +88,13 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # the CuTe forwards, steps 1 and 2; their backward is Triton's for now (cute_impl.py)
+    try:  # CuTe: the default (step 3 on a Hopper GPU), steps 1 and 2 behind Triton's backward
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
+        impls["cute.step1"] = lambda q, k, v, causal: cute_impl.attention_step1(
+            q, k, v, causal=causal
+        )
         impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
             q, k, v, causal=causal
         )

@@ -65,9 +65,11 @@ the epilogue by stmatrix into a buffer nothing reads any more, then one TMA stor
   so they add exactly 0, and keys past S_k only reach rows of dK and dV that TMA does not
   store: neither needs a mask.
 
-Not yet in it: lse and delta staged through shared memory by TMA, and the products of one
-tile overlapping the softmax-like row work of the next inside a warpgroup (FlashAttention-3's
-schedule); dQ computed in kernel 2's pass (one recomputation of S instead of two) needs
+Within a tile, the products overlap the row work where the data allow: S and dP (S^T and
+dP^T) are issued together and P is computed while dP's wgmmas run; in kernel 2, dS^T while
+dV's run. Not yet in it: lse and delta staged through shared memory by TMA, the products of one
+tile overlapping the row work of the next (step 3's forward schedule) and the two consumers
+taking turns; dQ computed in kernel 2's pass (one recomputation of S instead of two) needs
 atomics or per-tile partials summed in order.
 """
 
@@ -93,6 +95,7 @@ from cute_2_wgmma import (
     as_a_operand,
     by_rows,
     consume_tiles,
+    issue,
     load_once,
     load_tile,
     multiply,
@@ -172,15 +175,17 @@ def dq_key_tile(
     mma_qk, mma_dq = mmas
     q_frag, do_frag, k_frag, v_frag, k_t_frag = frags
     scores.fill(0.0)  # the wgmmas accumulate: 0 + s is exact
-    multiply(mma_qk, scores, q_frag, k_frag[None, None, None, stage])
     dp.fill(0.0)
-    multiply(mma_qk, dp, do_frag, v_frag[None, None, None, stage])
+    issue(mma_qk, scores, q_frag, k_frag[None, None, None, stage])
+    issue(mma_qk, dp, do_frag, v_frag[None, None, None, stage])
+    warpgroup.wait_group(1)  # S has landed; P is computed while dP's wgmmas run
     p_rows, dp_rows = by_rows(scores), by_rows(dp)
     for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
             p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_log2[r], fastmath=True)
     if cutlass.const_expr(masked):  # after the exp2: a row that sees no key has lse = -inf
         mask_scores(p_rows, score_coords, first_row, tile * block_n, s_q, s_k, causal, 0.0)
+    warpgroup.wait_group(0)
     for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
             dp_rows[r, c] = p_rows[r, c] * (dp_rows[r, c] - deltas[r])  # dS, in dP's registers
@@ -348,9 +353,10 @@ def dkdv_query_tile(
     lse_log2 = query_stats(lse, score_coords, first_query, s_q, False, True)
     deltas = query_stats(delta, score_coords, first_query, s_q, False, False)
     scores_t.fill(0.0)
-    multiply(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage])
     dp_t.fill(0.0)
-    multiply(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage])
+    issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage])
+    issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage])
+    warpgroup.wait_group(1)  # S^T has landed; P^T is computed while dP^T's wgmmas run
     p_rows, dp_rows = by_rows(scores_t), by_rows(dp_t)
     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
         for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
@@ -360,7 +366,8 @@ def dkdv_query_tile(
     dtype = mma_acc.op.a_dtype
     p_t = cute.make_rmem_tensor_like(scores_t, dtype)
     p_t.store(scores_t.load().to(dtype))  # round(P^T): dV's A operand, from registers
-    multiply(mma_acc, dv, as_a_operand(p_t), do_t_frag[None, None, None, stage])
+    warpgroup.wait_group(0)
+    issue(mma_acc, dv, as_a_operand(p_t), do_t_frag[None, None, None, stage])  # dS^T under it
     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
         for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
             dp_rows[r, c] = p_rows[r, c] * (dp_rows[r, c] - deltas[c])  # dS^T in dP^T's place

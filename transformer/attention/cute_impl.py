@@ -1,24 +1,23 @@
 """Attention in the CuTe DSL: the public functions, with triton_impl.py's signatures.
 
-`attention_forward` runs step 1's kernel (cute_1_tiled.py: a FlashAttention-2 forward on
-warp-level MMA, cp.async and ldmatrix) on CUDA float16 and bfloat16 operands with a head
-dimension it is built for (D = 64 or 128, `cute_1_tiled.TILES`) whose bases lie on 16-byte
-boundaries and whose batch, sequence and head strides are multiples of 8 elements (cp.async
-and the output's stores move 16 bytes). Every other valid input (float32, other head
-dimensions, misaligned views) runs Triton's forward (triton_impl.attention_forward), by an
-explicit check, `kernel_takes`. `attention_backward` is triton_impl's, which reads the lse
-this forward writes (float32, natural log). Both validate every operand
-(reference.check_operands) before any launch.
+On a Hopper GPU, `attention_forward` runs step 3's kernel (cute_3_overlap.py: TMA, wgmma,
+warp specialisation and the FlashAttention-3 schedule) and `attention_backward` step 3's two
+kernels (cute_3_backward.py: deterministic, TMA and wgmma). On another GPU the forward runs
+step 1's kernel (cute_1_tiled.py: a FlashAttention-2 forward on warp-level MMA, cp.async and
+ldmatrix) and the backward is Triton's (triton_impl.attention_backward), which reads the lse
+every forward writes (float32, natural log).
 
-`attention_forward_step2` runs step 2's kernel (cute_2_wgmma.py: TMA, wgmma and warp
-specialisation, Hopper only) on the same operands, routed the same way (TMA also needs the
-strides positive). It is not yet the default: the public forward switches to it once it has
-passed its tests on the GPU.
+A kernel takes CUDA float16 and bfloat16 operands with a head dimension it is built for (D =
+64 or 128, each step's `TILES`) whose bases lie on 16-byte boundaries and whose batch, sequence
+and head strides are multiples of 8 elements (cp.async, TMA and the stores move 16 bytes), and
+for TMA (steps 2 and 3) positive. Every other valid input (float32, other head dimensions,
+misaligned or expanded views) runs Triton's kernels, by an explicit check (`kernel_takes`,
+`backward_kernel_takes`). Every function validates every operand (reference.check_operands)
+before any launch.
 
-`attention_backward_cute` runs step 3's kernels (cute_3_backward.py: the backward as two
-deterministic kernels on TMA and wgmma, Hopper only) on the operands `backward_kernel_takes`
-(step 2's rules over q, k, v, O, dO, dQ, dK and dV), Triton's backward on the rest. Not yet
-the default either, for the same reason.
+`attention_forward_step1`, `attention_forward_step2` (cute_2_wgmma.py: TMA and wgmma, no
+overlap), `attention_forward_step3` and `attention_backward_cute` call one step whatever the
+GPU, for the tests and bench.py.
 """
 
 import functools
@@ -154,6 +153,21 @@ def ptx_of(dtype, head_dim, causal, step=1, backward=False):
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
+    """The forward on step 3's kernel on a Hopper GPU, on step 1's on any other (steps 2 and 3
+    use Hopper's TMA and wgmma)."""
+    step = 3 if q.is_cuda and hopper(q.device.index) else 1
+    return run_forward(q, k, v, causal, scale, o, lse, step)
+
+
+@functools.cache
+def hopper(device_index):
+    """Whether GPU `device_index` is a Hopper (compute capability 9.x), asked once a device."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def attention_forward_step1(q, k, v, causal, scale, o, lse):
+    """The forward on step 1's kernel (cute_1_tiled.py: warp-level MMA; any GPU from Ampere
+    on), with attention_forward's validation and routing."""
     return run_forward(q, k, v, causal, scale, o, lse, step=1)
 
 
@@ -192,9 +206,10 @@ def attention_forward_step3(q, k, v, causal, scale, o, lse):
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    """Triton's backward (triton_impl.attention_backward, which validates every operand): the
-    CuTe backward (`attention_backward_cute`) becomes the default once it has passed its tests
-    on the GPU."""
+    """Step 3's backward (`attention_backward_cute`) on a Hopper GPU, Triton's
+    (triton_impl.attention_backward) on any other device; both validate every operand."""
+    if q.is_cuda and hopper(q.device.index):
+        return attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
     return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
 
 
@@ -221,11 +236,11 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
 AttentionFunction, attention, _forward_op = model_plumbing(
     "cute", attention_forward, attention_backward
 )
-# Step 2 in a model's place (bench.py times it beside step 1), until it becomes the default.
-_, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2, attention_backward)
-# Step 3 whole: its forward and its backward.
+# Each step in a model's place, whatever the GPU (bench.py times them side by side): steps 1
+# and 2 behind Triton's backward, step 3 with its own.
+_, attention_step1, _ = model_plumbing("cute_step1", attention_forward_step1,
+                                       triton_impl.attention_backward)  # fmt: skip
+_, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2,
+                                       triton_impl.attention_backward)  # fmt: skip
 _, attention_step3, _ = model_plumbing("cute_step3", attention_forward_step3,
                                        attention_backward_cute)  # fmt: skip
-# Step 3's backward behind step 1's forward, likewise, until it becomes the default backward.
-_, attention_cute_backward, _ = model_plumbing("cute_bwd", attention_forward,
-                                               attention_backward_cute)  # fmt: skip
