@@ -12,6 +12,10 @@
                                under each of BACKWARD_SWEEP's dK/dV tiles (dQ's as chosen),
                                then each dQ tile (dK/dV's as chosen), causal and not (for
                                BACKWARD_TILES); no files
+    python bench.py --cute-tiles   CuTe step 3's forward under each CUTE_FORWARD_SWEEP entry
+                               (cute_3_overlap.TILES) and its backward under each
+                               CUTE_BACKWARD_SWEEP entry (cute_3_backward.TILES) at that shape,
+                               D = 64 and 128, causal and not; no files
 
 Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where half the scores
 are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
@@ -61,6 +65,14 @@ BACKWARD_SWEEP = {
     "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3),
            (128, 64, 8, 4)],
 }  # fmt: skip
+# (BLOCK_N, STAGES) tried by --cute-tiles for step 3's forward, and ((dQ's keys, stages),
+# (dK/dV's queries, stages)) for its backward: the entries in use and their neighbours that fit
+# shared memory and, by ptxas, the registers without spills.
+CUTE_FORWARD_SWEEP = {128: [(128, 2), (128, 3)], 64: [(128, 3), (128, 4), (64, 4)]}
+CUTE_BACKWARD_SWEEP = {
+    128: [((64, 3), (32, 3)), ((64, 3), (64, 3)), ((64, 3), (64, 2)), ((128, 2), (64, 3))],
+    64: [((128, 3), (64, 3)), ((128, 3), (64, 2))],
+}
 MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
 
 
@@ -88,14 +100,14 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # CuTe: the default (step 3 on a Hopper GPU), steps 1 and 2 behind Triton's backward
+    try:  # CuTe: step 1 (the default) and 2 with Triton's backward, step 3 with its own
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
-        impls["cute.step1"] = lambda q, k, v, causal: cute_impl.attention_step1(
+        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
             q, k, v, causal=causal
         )
-        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
+        impls["cute.step3"] = lambda q, k, v, causal: cute_impl.attention_step3(
             q, k, v, causal=causal
         )
     except ImportError as error:
@@ -287,6 +299,62 @@ def backward_tile_sweep():
         triton_impl.PLANS.clear()
 
 
+def cute_tile_sweep():
+    """TFLOP/s of CuTe step 3's forward and backward (alone) at HEADLINE's B, S and H with
+    D = 64 and 128, causal and not, under each entry of CUTE_FORWARD_SWEEP and
+    CUTE_BACKWARD_SWEEP (each step's TILES replaced while its kernel is compiled)."""
+    import cute_1_tiled
+    import cute_3_backward
+    import cute_3_overlap
+    import cute_impl
+
+    def compiled(module, head_dim, tiles, causal, backward):
+        chosen = module.TILES[head_dim]
+        module.TILES[head_dim] = tiles
+        try:
+            build = cute_impl.build(torch.bfloat16, head_dim, causal, step=3, backward=backward)
+            return build.__tvm_ffi_object__()
+        finally:
+            module.TILES[head_dim] = chosen
+
+    batch, seq, heads, heads_kv, _ = HEADLINE
+    for head_dim, causal in [(d, c) for d in (128, 64) for c in (False, True)]:
+        q, k, v, do = (torch.randn(batch, seq, h, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for h in (heads, heads_kv, heads_kv, heads))  # fmt: skip
+        scale = head_dim**-0.5
+        o, lse = torch.empty_like(q), torch.empty(batch, heads, seq, device="cuda")
+        expected_o = sdpa()(q, k, v, causal).float()
+        expected = [torch.empty_like(t) for t in (q, k, v)]
+        triton_impl.attention_forward(q, k, v, causal, None, o, lse)
+        triton_impl.attention_backward(q, k, v, o, lse, do, causal, None, *expected)
+        flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+        for tiles in CUTE_FORWARD_SWEEP[head_dim]:
+            kernel = compiled(cute_3_overlap, head_dim, tiles, causal, backward=False)
+            out = torch.empty_like(q)
+            forward = functools.partial(kernel, q, k, v, out, torch.empty_like(lse),
+                                        scale * cute_1_tiled.LOG2E)  # fmt: skip
+            forward()
+            error = (out.float() - expected_o).abs().max().item()
+            ms, _ = graph_ms(forward)
+            mark = "  (TILES)" if tiles == cute_3_overlap.TILES[head_dim] else ""
+            print(f"D={head_dim} causal={causal!s:5s} forward {tiles} {ms * 1e3:8.1f} us "
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        delta = torch.empty_like(lse)
+        for tiles in CUTE_BACKWARD_SWEEP[head_dim]:
+            kernel = compiled(cute_3_backward, head_dim, tiles, causal, backward=True)
+            backward = functools.partial(kernel, q, k, v, o, lse, do, *grads, delta,
+                                         scale * cute_1_tiled.LOG2E, scale)  # fmt: skip
+            backward()
+            error = max((g.float() - e.float()).abs().max().item()
+                        for g, e in zip(grads, expected, strict=True))  # fmt: skip
+            ms, _ = graph_ms(backward)
+            mark = "  (TILES)" if tiles == cute_3_backward.TILES[head_dim] else ""
+            rate = 2.5 * flops / ms / 1e9
+            print(f"D={head_dim} causal={causal!s:5s} backward {tiles} {ms * 1e3:8.1f} us "
+                  f"{rate:6.1f} TFLOP/s, error vs Triton {error:.2g}{mark}")  # fmt: skip
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -337,5 +405,7 @@ if __name__ == "__main__":
         tile_sweep()
     elif "--backward-tiles" in sys.argv:
         backward_tile_sweep()
+    elif "--cute-tiles" in sys.argv:
+        cute_tile_sweep()
     else:
         main(quick=quick, headline="--headline" in sys.argv)

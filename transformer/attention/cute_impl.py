@@ -1,11 +1,12 @@
 """Attention in the CuTe DSL: the public functions, with triton_impl.py's signatures.
 
-On a Hopper GPU, `attention_forward` runs step 3's kernel (cute_3_overlap.py: TMA, wgmma,
-warp specialisation and the FlashAttention-3 schedule) and `attention_backward` step 3's two
-kernels (cute_3_backward.py: deterministic, TMA and wgmma). On another GPU the forward runs
-step 1's kernel (cute_1_tiled.py: a FlashAttention-2 forward on warp-level MMA, cp.async and
-ldmatrix) and the backward is Triton's (triton_impl.attention_backward), which reads the lse
-every forward writes (float32, natural log).
+`attention_forward` runs step 1's kernel (cute_1_tiled.py: a FlashAttention-2 forward on
+warp-level MMA, cp.async and ldmatrix) and `attention_backward` is Triton's
+(triton_impl.attention_backward), which reads the lse every forward writes (float32, natural
+log). Step 3 (cute_3_overlap.py: TMA, wgmma, warp specialisation and the FlashAttention-3
+schedule, and cute_3_backward.py: the backward, deterministic, on TMA and wgmma) is to become
+the default on a Hopper GPU once its tests have passed on one: its forward matched float32 on
+an H100 at 0.96x FA4's speed, but the test suite of its last version has not run on a GPU.
 
 A kernel takes CUDA float16 and bfloat16 operands with a head dimension it is built for (D =
 64 or 128, each step's `TILES`) whose bases lie on 16-byte boundaries and whose batch, sequence
@@ -15,9 +16,9 @@ misaligned or expanded views) runs Triton's kernels, by an explicit check (`kern
 `backward_kernel_takes`). Every function validates every operand (reference.check_operands)
 before any launch.
 
-`attention_forward_step1`, `attention_forward_step2` (cute_2_wgmma.py: TMA and wgmma, no
-overlap), `attention_forward_step3` and `attention_backward_cute` call one step whatever the
-GPU, for the tests and bench.py.
+`attention_forward_step2` (cute_2_wgmma.py: TMA and wgmma, no overlap),
+`attention_forward_step3` and `attention_backward_cute` call one step, for the tests and
+bench.py; steps 2 and 3 need a Hopper GPU.
 """
 
 import functools
@@ -153,21 +154,8 @@ def ptx_of(dtype, head_dim, causal, step=1, backward=False):
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
-    """The forward on step 3's kernel on a Hopper GPU, on step 1's on any other (steps 2 and 3
-    use Hopper's TMA and wgmma)."""
-    step = 3 if q.is_cuda and hopper(q.device.index) else 1
-    return run_forward(q, k, v, causal, scale, o, lse, step)
-
-
-@functools.cache
-def hopper(device_index):
-    """Whether GPU `device_index` is a Hopper (compute capability 9.x), asked once a device."""
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
-def attention_forward_step1(q, k, v, causal, scale, o, lse):
     """The forward on step 1's kernel (cute_1_tiled.py: warp-level MMA; any GPU from Ampere
-    on), with attention_forward's validation and routing."""
+    on), until step 3's has passed its tests on a GPU (module docstring)."""
     return run_forward(q, k, v, causal, scale, o, lse, step=1)
 
 
@@ -206,10 +194,8 @@ def attention_forward_step3(q, k, v, causal, scale, o, lse):
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    """Step 3's backward (`attention_backward_cute`) on a Hopper GPU, Triton's
-    (triton_impl.attention_backward) on any other device; both validate every operand."""
-    if q.is_cuda and hopper(q.device.index):
-        return attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
+    """Triton's backward (triton_impl.attention_backward, which validates every operand) until
+    step 3's has passed its tests on a GPU (module docstring)."""
     return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
 
 
@@ -236,10 +222,8 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
 AttentionFunction, attention, _forward_op = model_plumbing(
     "cute", attention_forward, attention_backward
 )
-# Each step in a model's place, whatever the GPU (bench.py times them side by side): steps 1
-# and 2 behind Triton's backward, step 3 with its own.
-_, attention_step1, _ = model_plumbing("cute_step1", attention_forward_step1,
-                                       triton_impl.attention_backward)  # fmt: skip
+# Steps 2 and 3 in a model's place (bench.py times them beside step 1): step 2 behind
+# Triton's backward, step 3 with its own.
 _, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2,
                                        triton_impl.attention_backward)  # fmt: skip
 _, attention_step3, _ = model_plumbing("cute_step3", attention_forward_step3,
