@@ -58,7 +58,8 @@ The map (one block of 384 threads per BLOCK_M = 128 queries of one head; `TILES`
 
 Step 2 does not overlap the softmax with the tensor cores inside a warpgroup (each wgmma is
 waited for before its result is read; the two consumer warpgroups overlap each other only as
-the warp schedulers interleave them): that is a later step's FlashAttention-3 schedule.
+the warp schedulers interleave them): that is step 3's FlashAttention-3 schedule
+(cute_3_overlap.py), which reorders the same pieces (`TileSteps`) of a key tile.
 """
 
 import dataclasses
@@ -257,6 +258,8 @@ def consume_tiles(ring, state, first, end, visit, masked: cutlass.Constexpr):
     return state
 
 
+# A plain class, not a NamedTuple: the DSL carries a tuple's elements through a dynamic loop as
+# loop values, and a partial cannot be one (it refused to trace).
 @dataclasses.dataclass(frozen=True)
 class TileSteps:
     """A consumer warpgroup's work on one key tile, in the pieces a schedule orders (each a
