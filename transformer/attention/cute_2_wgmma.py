@@ -227,13 +227,17 @@ def produce(
 
 
 @cute.jit
-def issue(tiled_mma, acc, a_frag, b_frag):
+def issue(tiled_mma, acc, a_frag, b_frag, overwrite=None):
     """acc += A B over the k steps of the fragments: the warpgroup's wgmmas, issued together
     and committed as one group, not waited for (warpgroup.wait_group(n) waits until at most n
-    groups are still running, oldest first)."""
+    groups are still running, oldest first). overwrite: tiled_mma's twin with ACCUMULATE off,
+    which issues the first k step, so that acc = A B needs no zeros written first (zeros
+    written while another of the warpgroup's wgmmas runs make ptxas wait for it, its message
+    C7517, undoing the overlap)."""
     warpgroup.fence()  # acc's registers (and P's) are written before the wgmmas read them
     for kk in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
-        cute.gemm(tiled_mma, acc, a_frag[None, None, kk], b_frag[None, None, kk], acc)
+        mma = overwrite if cutlass.const_expr(kk == 0 and overwrite is not None) else tiled_mma
+        cute.gemm(mma, acc, a_frag[None, None, kk], b_frag[None, None, kk], acc)
     warpgroup.commit_group()
 
 

@@ -172,12 +172,10 @@ def dq_key_tile(
     causal: cutlass.Constexpr,
 ):  # fmt: skip
     """Key tile `tile`, landed in ring stage `stage`, into this warpgroup's dQ."""
-    mma_qk, mma_dq = mmas
+    mma_qk, mma_dq, overwrite = mmas
     q_frag, do_frag, k_frag, v_frag, k_t_frag = frags
-    scores.fill(0.0)  # the wgmmas accumulate: 0 + s is exact
-    dp.fill(0.0)
-    issue(mma_qk, scores, q_frag, k_frag[None, None, None, stage])
-    issue(mma_qk, dp, do_frag, v_frag[None, None, None, stage])
+    issue(mma_qk, scores, q_frag, k_frag[None, None, None, stage], overwrite)
+    issue(mma_qk, dp, do_frag, v_frag[None, None, None, stage], overwrite)
     warpgroup.wait_group(1)  # S has landed; P is computed while dP's wgmmas run
     p_rows, dp_rows = by_rows(scores), by_rows(dp)
     for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
@@ -196,7 +194,7 @@ def dq_key_tile(
 
 @cute.jit
 def dq_consume(
-    once_pipe, ring, mma_qk, mma_dq, tma_dq, DQ_tma, lse, delta, buffers, thread,
+    once_pipe, ring, mma_qk, mma_dq, overwrite, tma_dq, DQ_tma, lse, delta, buffers, thread,
     warpgroup_index, b, h, m_block, n_tiles, full_tiles, s_q, s_k, scale_log2, scale,
     head_dim: cutlass.Constexpr, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
     causal: cutlass.Constexpr,
@@ -225,6 +223,7 @@ def dq_consume(
     dq.fill(0.0)
     mma_qk.set(warpgroup.Field.ACCUMULATE, True)
     mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+    overwrite.set(warpgroup.Field.ACCUMULATE, False)  # S's and dP's first k step
     score_coords = by_rows(qk_thread.partition_C(cute.make_identity_tensor((WGMMA_M, block_n))))
     lse_log2 = query_stats(lse[b, h, None], score_coords, first_row, s_q, True, True)
 
@@ -238,7 +237,7 @@ def dq_consume(
         if lane % 4 == 0 and row < s_q:
             delta[b, h, row] = deltas[r]  # for kernel 2, launched after this one
 
-    mmas = (mma_qk, mma_dq)
+    mmas = (mma_qk, mma_dq, overwrite)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     visit = functools.partial(
         dq_key_tile, mmas=mmas, frags=frags, scores=scores, dp=dp, dq=dq, lse_log2=lse_log2,
@@ -263,6 +262,7 @@ def attention_dq_kernel(
     lse: cute.Tensor, delta: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
     s_q: cutlass.Int32, s_k: cutlass.Int32, heads: cutlass.Int32, group: cutlass.Int32,
     m_blocks: cutlass.Int32, mma_qk: cute.TiledMma, mma_dq: cute.TiledMma,
+    overwrite: cute.TiledMma,
     half_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
     dtype: cutlass.Constexpr, head_dim: cutlass.Constexpr[int],
     block_n: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
@@ -304,7 +304,7 @@ def attention_dq_kernel(
             ring.producer_tail(state)  # exit once the consumers have released every stage
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-        dq_consume(once_pipe, ring, mma_qk, mma_dq, tma_dq, DQ_tma, lse, delta,
+        dq_consume(once_pipe, ring, mma_qk, mma_dq, overwrite, tma_dq, DQ_tma, lse, delta,
                    (q_smem, do_smem, o_smem, k_smem, v_smem), thread, warpgroup_index, b, h,
                    m_block, n_tiles, full_tiles, s_q, s_k, scale_log2, scale, head_dim,
                    block_n, stages, causal)  # fmt: skip
@@ -346,16 +346,14 @@ def dkdv_query_tile(
 ):  # fmt: skip
     """Query tile `tile` of one head (its lse and delta rows given), landed in ring stage
     `stage`, into this warpgroup's dK and dV."""
-    mma_kq, mma_acc = mmas
+    mma_kq, mma_acc, overwrite = mmas
     k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag = frags
     first_query = tile * block_m
     # Loaded before the wgmmas are issued: the loads land while they run.
     lse_log2 = query_stats(lse, score_coords, first_query, s_q, False, True)
     deltas = query_stats(delta, score_coords, first_query, s_q, False, False)
-    scores_t.fill(0.0)
-    dp_t.fill(0.0)
-    issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage])
-    issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage])
+    issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage], overwrite)
+    issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage], overwrite)
     warpgroup.wait_group(1)  # S^T has landed; P^T is computed while dP^T's wgmmas run
     p_rows, dp_rows = by_rows(scores_t), by_rows(dp_t)
     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
@@ -378,9 +376,10 @@ def dkdv_query_tile(
 
 @cute.jit
 def dkdv_consume(
-    once_pipe, ring, mma_kq, mma_acc, stores, lse, delta, buffers, thread, warpgroup_index, b,
-    g, group, n_block, tiles, s_q, s_k, scale_log2, scale, head_dim: cutlass.Constexpr,
-    block_m: cutlass.Constexpr, stages: cutlass.Constexpr, causal: cutlass.Constexpr,
+    once_pipe, ring, mma_kq, mma_acc, overwrite, stores, lse, delta, buffers, thread,
+    warpgroup_index, b, g, group, n_block, tiles, s_q, s_k, scale_log2, scale,
+    head_dim: cutlass.Constexpr, block_m: cutlass.Constexpr, stages: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
 ):  # fmt: skip
     """A consumer warpgroup: its 64 keys' dK and dV over the group's query heads in order and
     their query tiles, then dK scale and dV."""
@@ -413,11 +412,12 @@ def dkdv_consume(
     dv.fill(0.0)
     mma_kq.set(warpgroup.Field.ACCUMULATE, True)
     mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+    overwrite.set(warpgroup.Field.ACCUMULATE, False)  # S^T's and dP^T's first k step
     score_coords = by_rows(kq_thread.partition_C(cute.make_identity_tensor((WGMMA_M, block_m))))
 
     once_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     once_pipe.consumer_wait(once_state)  # K and V have landed
-    mmas = (mma_kq, mma_acc)
+    mmas = (mma_kq, mma_acc, overwrite)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     for head in cutlass.range(group, unroll=1):  # the group's query heads, in order
         h = g * group + head
@@ -447,6 +447,7 @@ def attention_dkdv_kernel(
     lse: cute.Tensor, delta: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
     s_q: cutlass.Int32, s_k: cutlass.Int32, heads_kv: cutlass.Int32, group: cutlass.Int32,
     n_blocks: cutlass.Int32, mma_kq: cute.TiledMma, mma_acc: cute.TiledMma,
+    overwrite: cute.TiledMma,
     half_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
     dtype: cutlass.Constexpr, head_dim: cutlass.Constexpr[int],
     block_m: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
@@ -495,8 +496,9 @@ def attention_dkdv_kernel(
             ring.producer_tail(state)
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-        dkdv_consume(once_pipe, ring, mma_kq, mma_acc, (tma_dk, DK_tma, tma_dv, DV_tma), lse,
-                     delta, (k_smem, v_smem, q_smem, do_smem), thread, warpgroup_index, b, g,
+        dkdv_consume(once_pipe, ring, mma_kq, mma_acc, overwrite,
+                     (tma_dk, DK_tma, tma_dv, DV_tma), lse, delta,
+                     (k_smem, v_smem, q_smem, do_smem), thread, warpgroup_index, b, g,
                      group, n_block, tiles, s_q, s_k, scale_log2, scale, head_dim, block_m,
                      stages, causal)  # fmt: skip
 
@@ -539,13 +541,14 @@ def launch_backward(
     by_key = [tma_atom(load, t, s_k, heads_kv, batch, ring_layout, block_n, head_dim)
               for t in (k, v)]  # fmt: skip
     mma_qk, mma_dq = tiled_mmas(dtype, head_dim, block_n)
+    overwrite, _ = tiled_mmas(dtype, head_dim, block_n)  # S's and dP's first k step
     (tma_q, Q_tma), (tma_do, DO_tma), (tma_o, O_tma), (tma_dq, DQ_tma) = by_query
     (tma_k, K_tma), (tma_v, V_tma) = by_key
     m_blocks = (s_q + BLOCK_M - 1) // BLOCK_M
     attention_dq_kernel(
         tma_q, Q_tma, tma_do, DO_tma, tma_o, O_tma, tma_k, K_tma, tma_v, V_tma, tma_dq, DQ_tma,
         lse, delta, scale_log2, scale, s_q, s_k, heads, group, m_blocks, mma_qk, mma_dq,
-        half_layout, ring_layout, dtype, head_dim, block_n, dq_stages, causal,
+        overwrite, half_layout, ring_layout, dtype, head_dim, block_n, dq_stages, causal,
     ).launch(grid=[m_blocks * heads * batch, 1, 1], block=[THREADS, 1, 1], stream=stream,
              min_blocks_per_mp=ONE_BLOCK_AN_SM)  # fmt: skip
 
@@ -556,12 +559,13 @@ def launch_backward(
     by_query = [tma_atom(load, t, s_q, heads, batch, ring_layout, block_m, head_dim)
                 for t in (q, do)]  # fmt: skip
     mma_kq, mma_acc = tiled_mmas(dtype, head_dim, block_m)
+    overwrite, _ = tiled_mmas(dtype, head_dim, block_m)  # S^T's and dP^T's first k step
     (tma_k, K_tma), (tma_v, V_tma), (tma_dk, DK_tma), (tma_dv, DV_tma) = by_key
     (tma_q, Q_tma), (tma_do, DO_tma) = by_query
     n_blocks = (s_k + BLOCK_N - 1) // BLOCK_N
     attention_dkdv_kernel(
         tma_k, K_tma, tma_v, V_tma, tma_q, Q_tma, tma_do, DO_tma, tma_dk, DK_tma, tma_dv,
         DV_tma, lse, delta, scale_log2, scale, s_q, s_k, heads_kv, group, n_blocks, mma_kq,
-        mma_acc, half_layout, ring_layout, dtype, head_dim, block_m, dkdv_stages, causal,
+        mma_acc, overwrite, half_layout, ring_layout, dtype, head_dim, block_m, dkdv_stages, causal,
     ).launch(grid=[n_blocks * heads_kv * batch, 1, 1], block=[THREADS, 1, 1], stream=stream,
              min_blocks_per_mp=ONE_BLOCK_AN_SM)  # fmt: skip
