@@ -204,6 +204,16 @@ def load_tile(ring, state, copies, tile):
 
 
 @cute.jit
+def load_tiles(ring, state, copies, first, end):
+    """Tiles [first, end) of each copy into the ring's stages in order (`load_tile` each),
+    from `state` on; returns the state (the loop's is its own, so the caller takes it back)."""
+    for tile in cutlass.range(first, end, unroll=1):
+        load_tile(ring, state, copies, tile)
+        state.advance()
+    return state
+
+
+@cute.jit
 def produce(
     q_pipe, kv_pipe, tma_q, Q_tma, tma_k, K_tma, tma_v, V_tma, q_smem, k_smem, v_smem, b, h, g,
     m_block, n_tiles, head_dim: cutlass.Constexpr, block_n: cutlass.Constexpr,
@@ -219,9 +229,7 @@ def produce(
     ]
     load_once(q_pipe, [q_copy], m_block)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for tile in cutlass.range(n_tiles, unroll=1):
-        load_tile(kv_pipe, state, kv_copies, tile)
-        state.advance()
+    state = load_tiles(kv_pipe, state, kv_copies, 0, n_tiles)
     # Exit only once the consumers have released every stage (their last arrives land here).
     kv_pipe.producer_tail(state)
 

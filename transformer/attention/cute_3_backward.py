@@ -97,7 +97,7 @@ from cute_2_wgmma import (
     consume_tiles,
     issue,
     load_once,
-    load_tile,
+    load_tiles,
     multiply,
     pipelines,
     seq_major,
@@ -298,9 +298,7 @@ def attention_dq_kernel(
                 for tma, T, buffers in ((tma_k, K_tma, k_smem), (tma_v, V_tma, v_smem))
             ]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for tile in cutlass.range(n_tiles, unroll=1):
-                load_tile(ring, state, tiles, tile)
-                state.advance()
+            state = load_tiles(ring, state, tiles, 0, n_tiles)
             ring.producer_tail(state)  # exit once the consumers have released every stage
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -490,9 +488,7 @@ def attention_dkdv_kernel(
                 loads = [(tma, *tma_tiles(tma, T[None, None, h, b], buffers, block_m, head_dim))
                          for tma, T, buffers in ((tma_q, Q_tma, q_smem),
                                                  (tma_do, DO_tma, do_smem))]  # fmt: skip
-                for tile in cutlass.range(first, end, unroll=1):
-                    load_tile(ring, state, loads, tile)
-                    state.advance()
+                state = load_tiles(ring, state, loads, first, end)
             ring.producer_tail(state)
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)

@@ -86,34 +86,30 @@ def overlapped_key_loop(ring, steps, n_tiles, full_tiles, half, stages: cutlass.
     and the causal band with one): tile 0's S and softmax alone, then `overlapped_tiles`, then
     the last tile's P V. A block whose rows see no key has nothing to do."""
     if n_tiles > 0:
-        overlap_tiles(ring, steps, n_tiles, full_tiles, half, stages)
-
-
-@cute.jit
-def overlap_tiles(ring, steps, n_tiles, full_tiles, half, stages: cutlass.Constexpr):
-    if half == 0:
-        pass_turn(0)  # warpgroup 1 goes first
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    ring.consumer_wait(read)
-    take_turn(half)
-    steps.scores(read.index)
-    pass_turn(1 - half)
-    warpgroup.wait_group(0)
-    # Tile 0 always takes the mask (a no-op on a whole tile), so its piece is compiled once.
-    steps.softmax(0, masked=True)
-    steps.round()  # O is still 0: nothing to rescale
-    release = read.clone()
-    read.advance()
-    unmasked_end = cutlass.max(full_tiles, 1)
-    read, release = overlapped_tiles(ring, read, release, 1, unmasked_end, steps, half, False)
-    read, release = overlapped_tiles(ring, read, release, unmasked_end, n_tiles, steps, half,
-                                     True)  # fmt: skip
-    take_turn(half)
-    steps.values(release.index)
-    if half == 0:
-        pass_turn(1)  # warpgroup 2's last turn; it passes none back
-    warpgroup.wait_group(0)
-    ring.consumer_release(release)
+        if half == 0:
+            pass_turn(0)  # warpgroup 1 goes first
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        ring.consumer_wait(read)
+        take_turn(half)
+        steps.scores(read.index)
+        pass_turn(1 - half)
+        warpgroup.wait_group(0)
+        # Tile 0 always takes the mask (a no-op on a whole tile), so its piece is compiled once.
+        steps.softmax(0, masked=True)
+        steps.round()  # O is still 0: nothing to rescale
+        release = read.clone()
+        read.advance()
+        unmasked_end = cutlass.max(full_tiles, 1)
+        read, release = overlapped_tiles(ring, read, release, 1, unmasked_end, steps, half,
+                                         False)  # fmt: skip
+        read, release = overlapped_tiles(ring, read, release, unmasked_end, n_tiles, steps,
+                                         half, True)  # fmt: skip
+        take_turn(half)
+        steps.values(release.index)
+        if half == 0:
+            pass_turn(1)  # warpgroup 2's last turn; it passes none back
+        warpgroup.wait_group(0)
+        ring.consumer_release(release)
 
 
 @cute.jit

@@ -660,13 +660,12 @@ CUTE_HEAD_DIMS = sorted(cute_1_tiled.TILES) if cute_1_tiled else []
 # wgmma, cute_impl.attention_forward_step2) and step 3 (the FlashAttention-3 schedule,
 # attention_forward_step3, and the backward on TMA and wgmma, attention_backward_cute);
 # neither 2 nor 3 is yet a default. A GPU test of step 3 checks its backward too (behind its
-# forward); tests of the forward alone run over FORWARD_STEPS.
+# forward), unless the test is of the forward alone.
 BACKWARD_STEP = 3
-FORWARD_STEPS = [1, 2, 3]
-CUTE_STEPS = FORWARD_STEPS
+CUTE_STEPS = [1, 2, 3]
 # The builds the CPU tests compile: each step's forward, then step 3's backward.
 BACKWARD = "3-backward"
-CUTE_BUILDS = [*FORWARD_STEPS, BACKWARD]
+CUTE_BUILDS = [*CUTE_STEPS, BACKWARD]
 
 
 @functools.cache
@@ -1097,7 +1096,7 @@ def test_cute_kernel_strided_operands(layout, head_dim, step):
 
 @needs_cute
 @gpu_only
-@pytest.mark.parametrize("step", FORWARD_STEPS)
+@pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_kernel_special_values(step):
     """Through the CuTe kernel: scores of about 1e4, a NaN key reaching exactly the rows that
     see it, no key at all (S_k = 0)."""
@@ -1154,7 +1153,7 @@ def test_cute_kernel_outputs_inside_guard(step):
 
 @needs_cute
 @gpu_only
-@pytest.mark.parametrize("step", FORWARD_STEPS)
+@pytest.mark.parametrize("step", CUTE_STEPS)
 def test_cute_kernel_offsets_past_int32(step):
     """A second batch whose q, k, v (one buffer) and O (another) start past 2**31 elements
     (8.6 GB of bf16 in all): offsets formed in 32 bits would read and write the first batch's
