@@ -65,14 +65,11 @@ BACKWARD_SWEEP = {
     "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3),
            (128, 64, 8, 4)],
 }  # fmt: skip
-# (BLOCK_N, STAGES) tried by --cute-tiles for step 3's forward, and ((dQ's keys, stages),
-# (dK/dV's queries, stages)) for its backward: the entries in use and their neighbours that fit
-# shared memory and, by ptxas, the registers without spills.
+# (BLOCK_N, STAGES) tried by --cute-tiles for step 3's forward, and (queries, stages) for its
+# backward: the entries in use and their neighbours that fit shared memory and, by ptxas, the
+# registers without spills.
 CUTE_FORWARD_SWEEP = {128: [(128, 2), (128, 3)], 64: [(128, 3), (128, 4), (64, 4)]}
-CUTE_BACKWARD_SWEEP = {
-    128: [((64, 3), (32, 3)), ((64, 3), (64, 3)), ((64, 3), (64, 2)), ((128, 2), (64, 3))],
-    64: [((128, 3), (64, 3)), ((128, 3), (64, 2))],
-}
+CUTE_BACKWARD_SWEEP = {128: [(64, 2), (64, 3)], 64: [(64, 3), (64, 2), (64, 4)]}
 MATERIALISED_LIMIT = 2**33  # bytes of float32 scores torch_impl may allocate (8 GiB)
 
 
@@ -340,11 +337,10 @@ def cute_tile_sweep():
             print(f"D={head_dim} causal={causal!s:5s} forward {tiles} {ms * 1e3:8.1f} us "
                   f"{flops / ms / 1e9:6.1f} TFLOP/s, error vs SDPA {error:.2g}{mark}")  # fmt: skip
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        delta = torch.empty_like(lse)
         for tiles in CUTE_BACKWARD_SWEEP[head_dim]:
             kernel = compiled(cute_3_backward, head_dim, tiles, causal, backward=True)
-            backward = functools.partial(kernel, q, k, v, o, lse, do, *grads, delta,
-                                         scale * cute_1_tiled.LOG2E, scale)  # fmt: skip
+            backward = functools.partial(cute_impl.run_backward, kernel, q, k, v, o, lse, do,
+                                         scale, *grads)  # fmt: skip
             backward()
             error = max((g.float() - e.float()).abs().max().item()
                         for g, e in zip(grads, expected, strict=True))  # fmt: skip

@@ -1,4 +1,5 @@
-"""Attention in the CuTe DSL, step 3: the backward on Hopper's TMA and wgmma, deterministic.
+"""Attention in the CuTe DSL, step 3: the backward on Hopper's TMA and wgmma, in one pass over
+the keys, deterministic.
 
 The gradients of O = softmax(c' S) V with S = Q K^T, c' = scale (README.md, "The math"), per
 query head, P recomputed from the forward's lse (float32, natural log) instead of stored:
@@ -12,65 +13,71 @@ query head, P recomputed from the forward's lse (float32, natural log) instead o
 
 P and dS are rounded to the input dtype as the A operands of the products that follow (the
 bound of README.md counts that rounding as u_in); every sum is float32 in the tensor cores'
-accumulators or in registers. The design is the Triton backward's (triton_impl.py, README.md's
-"The backward rebuilt"): two kernels and no atomics, so every run gives the same bits.
+accumulators, in registers, or (dQ) in global memory.
 
-1. The dQ kernel, one block per BLOCK_M = 128 queries of one head: delta of its rows (stored
-   for kernel 2), then over the key tiles its rows see, S = Q K^T and dP = dO V^T (wgmmas
-   from shared memory), P and dS in registers, dQ += dS K (dS rounded in registers as the A
-   operand; K the B operand seen transposed, D contiguous: MN-major). dQ scale is stored.
-2. The dK/dV kernel, one block per BLOCK_N = 128 keys of one KV head: for each query head of
-   the group in order, over the query tiles that see its keys, the products transposed,
+The Triton backward (triton_impl.py, README.md's "The backward rebuilt") runs two kernels, one
+for dQ over the key tiles, one for dK and dV over the query tiles, and so computes S and dP
+twice: 7 products a tile pair where 5 suffice. This one computes them once, as FlashAttention-2
+and -3 do: each block of 128 keys walks the query tiles that see it, adds dV and dK in registers,
+and adds its share of each query tile's dQ, dS_m K_n, into a float32 sum in global memory. Many
+key blocks add into one query tile, and float addition is not associative: for the same bits
+every run the adds must come in a fixed order. Each query tile has a semaphore (an int32
+counting the key blocks that have added); block n adds only once it reads the number of blocks
+before it in the order, then counts itself in. The order is the last key block first, and the
+grid launches the last key block first, so a block only ever waits on blocks already running
+(a block waiting on one that cannot start would hang the GPU), and under causal masking the
+last block, which sees the fewest query tiles, waits on none: a tile's first adder is the block
+for which it is the first tile.
+
+1. `delta_kernel`: delta = rowsum(dO O) per query row (a warp a row, a butterfly sum), the dQ
+   sum's rows zeroed and the semaphores zeroed.
+2. `attention_backward_kernel`, one block per BLOCK_N = 128 keys of one KV head: for each query
+   head of the group in order, over the query tiles that see its keys, the products transposed,
    S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T come out of the tensor cores in the
-   accumulator layout that dV += P^T dO and dK += dS^T Q take as their register A operand
-   (Q and dO seen transposed as MN-major B operands). No transpose goes through shared memory.
+   accumulator layout that dV += P^T dO and dK += dS^T Q take as their register A operand (Q
+   and dO seen transposed as MN-major B operands). dQ = dS K needs dS with the queries as rows:
+   each consumer writes its 64 keys of dS^T into shared memory (queries contiguous: dS read as
+   an MN-major A operand), the two meet on a named barrier, and each multiplies all 128 keys'
+   dS by its half of D of K. A writer warp adds the halves to the float32 sum by TMA reduce-add
+   (`cp.reduce.async.bulk.tensor`, performed in L2) in the semaphore's order.
+3. dQ = scale x the sum, rounded (cute_impl: one torch multiply into dq).
 
-The map. Both kernels are step 2's (cute_2_wgmma.py) machinery: 384 threads, warpgroup 0 the
-producer (one thread issues every TMA load; setmaxnreg down to 24 registers), warpgroups 1 and
-2 the consumers (up to 240), each owning 64 rows of the block (queries in kernel 1, keys in
-kernel 2) and issuing its own 64-row wgmmas; loads into 128-byte-swizzled shared memory,
-completing on mbarriers (PipelineTmaAsync); the accumulators seen as rows by columns (step 2's
-`by_rows`) for masks and row operations, regrouped as register A operands (`as_a_operand`);
-the epilogue by stmatrix into a buffer nothing reads any more, then one TMA store a warpgroup.
+The map of kernel 2. Step 2's (cute_2_wgmma.py) machinery: 384 threads; warpgroup 0 the producer
+(setmaxnreg down to 24 registers), in which warp 0 issues every TMA load and warp 1 is the dQ
+writer; warpgroups 1 and 2 the consumers (up to 240 registers), each owning 64 keys of the
+block and issuing its own 64-row wgmmas; loads into 128-byte-swizzled shared memory on mbarriers
+(PipelineTmaAsync); the accumulators seen as rows by columns (step 2's `by_rows`) for masks and
+row operations, regrouped as register A operands (`as_a_operand`); dK and dV at the end by
+stmatrix and one TMA store a warpgroup.
 
-- Kernel 1 loads Q, dO and O once (one barrier, a 64-row half a consumer), then K and V tile by
-  tile into a ring of 3 stages. Each consumer thread holds dQ (64 x D / 128 floats: 64 at
-  D = 128), S and dP (64 x BLOCK_N / 128 each: 32 at BLOCK_N = 64), dS rounded (half as many
-  registers) and its 2 rows' lse and delta; delta is summed from dO and O in shared memory,
-  D / 4 products a thread, then over the quad's 4 lanes. dQ is staged in Q's half. Shared
-  memory: at D = 128, 64-key tiles, Q, dO, O 3 x 32 KB + 3 stages x (K, V 16 KB) = 192 KB; at
-  D = 64, 128-key tiles, 3 x 16 + 3 x (16 + 16) = 144 KB.
-- Kernel 2 loads K and V once (one barrier, a half a consumer), then Q and dO tile by tile,
-  head after head of the group, into a ring of 3 stages. Each consumer thread holds dK and dV
-  (64 x D / 128 floats each: 128 together at D = 128), S^T and dP^T (64 x BLOCK_M / 128 each:
-  16 at BLOCK_M = 32), P^T and dS^T rounded, and its columns' lse and delta (BLOCK_M / 4 of
-  each, read from global memory a tile, before the tile's wgmmas are issued: L1 and L2 serve
-  the 8 warps alike). dK and dV are staged in K's and V's halves. Shared memory: at D = 128,
-  32-query tiles, K, V 2 x 32 KB + 3 x (Q, dO 8 KB) = 112 KB; at D = 64, 64-query tiles,
-  2 x 16 + 3 x (8 + 8) = 80 KB.
-- Registers: `TILES` is what `ptxas -arch=sm_90a -v` fits in the consumers' 240 without
-  spilling, fp16 and bf16, causal or not (test.py's test_cute_tiles_fit_the_registers checks
-  the bf16 builds). Tried and spilled: dK/dV with 64-query tiles at D = 128 (8 bytes, causal)
-  and 128-query tiles at D = 64 (368-620 bytes). dQ with 128-key tiles fits the registers at
-  D = 128 too, but 2 stages of them beside Q, dO and O take 224 KB of the SM's 227: 64-key
-  tiles are also what the Triton backward measured best (README.md); a GPU should decide.
-- setmaxnreg needs the launch bound `min_blocks_per_mp=1` (.minnctapersm 1): without it
-  ptxas could not tell the registers a thread has at entry for the dK/dV kernel at D = 64,
-  ignored both setmaxnreg (its warning C7508) and spilled within the even share of 168.
-- The loops are the Triton kernels' in two parts, with and without a mask. Kernel 1: whole key
-  tiles left of the block's diagonal, then the tail past S_k (zero-filled keys would give
-  P = 2^-lse) and the diagonal band; causal blocks are launched longest first. Kernel 2: the
-  query tiles that hold the diagonal of its keys (masked), then those whose every row sees
-  every key of the block; query rows past S_q read zeros (TMA fills them) and lse = delta = 0,
-  so they add exactly 0, and keys past S_k only reach rows of dK and dV that TMA does not
-  store: neither needs a mask.
+- K and V are loaded once (one barrier, a 64-key half a consumer), then Q and dO tile by tile,
+  head after head of the group, into a ring of `stages`.
+- A consumer thread holds dK and dV (64 x D / 128 floats each: 128 together at D = 128), S^T and
+  dP^T (64 x 64 / 128 each: 32), P^T and dS^T rounded, its columns' lse and delta (read from
+  global memory a tile, before the tile's wgmmas are issued), and, after S^T and dP^T are dead,
+  its dQ half (64 x D / 2 / 128: 32 at D = 128).
+- The query tile is 64 rows, one wgmma's M: dQ's wgmma has the tile's queries as its rows.
+- dS^T goes into one of two buffers by the tile's parity: the other consumer may still be
+  reading the previous tile's from the other. dQ goes into a float32 staging buffer a consumer
+  (64 x D / 2, in 128-byte-swizzled boxes of 64 x 32 floats, TMA's widest with that swizzle);
+  the consumer and the writer hand it back and forth on two named barriers ("empty", "full").
+  The writer waits for its adds to complete (not only to be read) before counting the block
+  in, so that the next block in the order adds onto them.
+- Shared memory at D = 128, 2 stages: K, V 2 x 32 KB + 2 x (Q, dO 16 KB) + dS 2 x 16 KB + dQ
+  32 KB = 192 KB; at D = 64, 3 stages: 2 x 16 + 3 x (8 + 8) + 32 + 16 = 128 KB.
+- setmaxnreg needs the launch bound `min_blocks_per_mp=1` (.minnctapersm 1): without it ptxas
+  could not tell the registers a thread has at entry, ignored setmaxnreg (its warning C7508)
+  and spilled within the even share of 168.
+- The loop over query tiles is in two parts: the tiles that hold the diagonal of the block's
+  keys (masked), then those whose every row sees every key of the block; query rows past S_q
+  read zeros (TMA fills them) with lse = delta = 0, so they add exactly 0, and keys past S_k
+  are zero rows of K and V: they only reach rows of dK and dV that TMA does not store, and add
+  dS x 0 = 0 to dQ.
 
-Within a tile, the products overlap the row work where the data allow: S and dP (S^T and
-dP^T) are issued together and P is computed while dP's wgmmas run; in kernel 2, dS^T while
-dV's run. Not yet in it: lse and delta staged through shared memory by TMA, the products of one
-tile overlapping the row work of the next (step 3's forward schedule) and the two consumers
-taking turns; dQ computed in kernel 2's pass (one recomputation of S instead of two) needs
-atomics or per-tile partials summed in order.
+Within a tile the products overlap the row work where the data allow: S^T and dP^T are issued
+together and P^T is computed while dP^T's wgmmas run, dS^T while dV's run, dS^T's store to
+shared memory while dK's run. Not yet in it: the two consumers taking turns (step 3's
+forward's ping-pong), lse and delta staged through shared memory by TMA.
 """
 
 import functools
@@ -79,12 +86,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-from cute_1_tiled import LOG2E, key_limit, key_tiles, mask_scores, quad_reduce, query_block
+from cute_1_tiled import LOG2E, key_limit
 from cute_2_wgmma import (
-    BLOCK_M,
     CONSUMER_REGISTERS,
     CONSUMER_WARPGROUPS,
     PRODUCER_REGISTERS,
@@ -94,11 +102,9 @@ from cute_2_wgmma import (
     allocate,
     as_a_operand,
     by_rows,
-    consume_tiles,
     issue,
     load_once,
     load_tiles,
-    multiply,
     pipelines,
     seq_major,
     smem_layouts,
@@ -111,31 +117,73 @@ from cute_2_wgmma import (
 
 __all__ = ["TILES", "launch_backward"]
 
-# The dK/dV kernel's block of keys: a 64-row half for each consumer warpgroup.
+# The block of keys: a 64-row half for each consumer warpgroup.
 BLOCK_N = CONSUMER_WARPGROUPS * WGMMA_M
-# Tiles per head dimension: dQ's (keys a tile, stages), dK/dV's (queries a tile, stages); the
-# registers set them (the docstring's map). Other head dimensions go to Triton.
-TILES = {64: ((128, 3), (64, 3)), 128: ((64, 3), (32, 3))}
+# (queries a tile, stages of the Q/dO ring) per head dimension. The query tile is one wgmma's
+# M (dQ's rows); the stages are what shared memory holds (the docstring's map). Other head
+# dimensions go to Triton.
+TILES = {64: (WGMMA_M, 3), 128: (WGMMA_M, 2)}
 # Launched with .minnctapersm 1: without a bound on the blocks an SM, ptxas may not know the
-# registers a thread has at entry, and then ignores every setmaxnreg (its warning C7508) and
-# fits the consumers in the launch's even share of 168 (the dK/dV kernel at D = 64 spilled).
+# registers a thread has at entry, and then ignores every setmaxnreg (its warning C7508).
 ONE_BLOCK_AN_SM = 1
+# dQ's float32 sum is added in boxes of 64 rows x 32 floats: 128-byte rows, the widest TMA box
+# the 128-byte swizzle allows (the swizzle spreads a warp's stores over the banks).
+DQ_BOX = 32
+WRITER_WARP = 1  # of the producer warpgroup; warp 0 issues the loads
+# Named barriers (0 is __syncthreads; 1 and 2 are store_accumulator's, one a consumer).
+DS_READY = 3  # both consumers' dS^T are in shared memory
+DQ_EMPTY = 4  # + consumer half: the writer is done reading that consumer's staged dQ
+DQ_FULL = 6  # + consumer half: that consumer's dQ is staged
+CONSUMERS = CONSUMER_WARPGROUPS * WARPGROUP_THREADS
+CONSUMER_AND_WRITER = WARPGROUP_THREADS + 32
+DELTA_WARPS = 4  # rows of delta_kernel's block, a warp each
+
+
+# (1) delta ------------------------------------------------------------------------------------
+
+
+@cute.kernel
+def delta_kernel(o: cute.Tensor, do: cute.Tensor, delta: cute.Tensor, dq_sum: cute.Tensor,
+                 semaphores: cute.Tensor, rows: cutlass.Int32, s_q: cutlass.Int32,
+                 heads: cutlass.Int32, block_m: cutlass.Constexpr[int],
+                 head_dim: cutlass.Constexpr[int]):  # fmt: skip
+    """One warp a query row (b, s, h), rows in memory order: delta = sum_d dO O in float32 (a
+    lane every 32nd column, then a butterfly over the warp: a fixed order), the row of the
+    dQ sum zeroed, and, by the first row of each query tile, the tile's semaphore."""
+    thread, _, _ = cute.arch.thread_idx()
+    block, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    row = block * DELTA_WARPS + thread // 32
+    if row < rows:
+        h = row % heads
+        s = row // heads % s_q
+        b = row // heads // s_q
+        partial = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(head_dim // 32):
+            d = lane + 32 * j  # a warp's loads are contiguous
+            d_o, out = do[b, s, h, d].to(cutlass.Float32), o[b, s, h, d].to(cutlass.Float32)
+            partial = partial + d_o * out
+            dq_sum[b, s, h, d] = cutlass.Float32(0.0)
+        total = cute.arch.warp_reduction(partial, lambda x, y: x + y)
+        if lane == 0:
+            delta[b, h, s] = total
+            if s % block_m == 0:
+                semaphores[b, h, s // block_m] = cutlass.Int32(0)
+
+
+# (2) dK, dV and dQ ----------------------------------------------------------------------------
 
 
 @cute.jit
-def query_stats(values, score_coords, first_query, s_q, along_rows: cutlass.Constexpr,
-                to_log2: cutlass.Constexpr):  # fmt: skip
+def query_stats(values, score_coords, first_query, s_q, to_log2: cutlass.Constexpr):
     """A register tensor of one head's lse (times log2 e when to_log2) or delta (values,
-    float32 over S_q) at the thread's queries: first_query plus the row coordinates of its
-    accumulator (along_rows, kernel 1) or its column coordinates (kernel 2's transposed
-    products). 0 past S_q, where the zero-filled rows then add exactly 0."""
-    count = cute.size(score_coords, mode=[0 if along_rows else 1])
+    float32 over S_q) at the queries of the thread's accumulator columns (the transposed
+    products' queries): first_query plus the column coordinates. 0 past S_q, where the
+    zero-filled rows then add exactly 0."""
+    count = cute.size(score_coords, mode=[1])
     stats = cute.make_rmem_tensor(count, cutlass.Float32)
     for i in cutlass.range_constexpr(count):
-        if cutlass.const_expr(along_rows):
-            query = first_query + score_coords[i, 0][0]
-        else:
-            query = first_query + score_coords[0, i][1]
+        query = first_query + score_coords[0, i][1]
         value = cutlass.Float32(0.0)
         if query < s_q:
             value = values[query]
@@ -143,172 +191,6 @@ def query_stats(values, score_coords, first_query, s_q, along_rows: cutlass.Cons
                 value = value * LOG2E
         stats[i] = value
     return stats
-
-
-# (1) dQ ---------------------------------------------------------------------------------------
-
-
-@cute.jit
-def row_deltas(do_half, o_half, score_coords, quad_lane, head_dim: cutlass.Constexpr):
-    """delta = sum_d dO_d O_d (float32) of the thread's rows, from the warpgroup's 64-row halves
-    of dO and O in shared memory: each lane of a quad sums every fourth column, then the quad
-    adds its four partial sums (a fixed order: the same bits every run)."""
-    rows_held = cute.size(score_coords, mode=[0])
-    deltas = cute.make_rmem_tensor(rows_held, cutlass.Float32)
-    for r in cutlass.range_constexpr(rows_held):
-        row = score_coords[r, 0][0]
-        partial = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(head_dim // 4):
-            d_o, o = do_half[row, quad_lane + 4 * c], o_half[row, quad_lane + 4 * c]
-            partial = partial + d_o.to(cutlass.Float32) * o.to(cutlass.Float32)
-        deltas[r] = quad_reduce(partial, lambda x, y: x + y)
-    return deltas
-
-
-@cute.jit
-def dq_key_tile(
-    stage, tile, mmas, frags, scores, dp, dq, lse_log2, deltas, score_coords, first_row, s_q,
-    s_k, scale_log2, block_n: cutlass.Constexpr, masked: cutlass.Constexpr,
-    causal: cutlass.Constexpr,
-):  # fmt: skip
-    """Key tile `tile`, landed in ring stage `stage`, into this warpgroup's dQ."""
-    mma_qk, mma_dq, overwrite = mmas
-    q_frag, do_frag, k_frag, v_frag, k_t_frag = frags
-    issue(mma_qk, scores, q_frag, k_frag[None, None, None, stage], overwrite)
-    issue(mma_qk, dp, do_frag, v_frag[None, None, None, stage], overwrite)
-    warpgroup.wait_group(1)  # S has landed; P is computed while dP's wgmmas run
-    p_rows, dp_rows = by_rows(scores), by_rows(dp)
-    for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
-            p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_log2[r], fastmath=True)
-    if cutlass.const_expr(masked):  # after the exp2: a row that sees no key has lse = -inf
-        mask_scores(p_rows, score_coords, first_row, tile * block_n, s_q, s_k, causal, 0.0)
-    warpgroup.wait_group(0)
-    for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
-            dp_rows[r, c] = p_rows[r, c] * (dp_rows[r, c] - deltas[r])  # dS, in dP's registers
-    ds = cute.make_rmem_tensor_like(dp, mma_dq.op.a_dtype)
-    ds.store(dp.load().to(mma_dq.op.a_dtype))  # round(dS): the A operand, from registers
-    multiply(mma_dq, dq, as_a_operand(ds), k_t_frag[None, None, None, stage])
-
-
-@cute.jit
-def dq_consume(
-    once_pipe, ring, mma_qk, mma_dq, overwrite, tma_dq, DQ_tma, lse, delta, buffers, thread,
-    warpgroup_index, b, h, m_block, n_tiles, full_tiles, s_q, s_k, scale_log2, scale,
-    head_dim: cutlass.Constexpr, block_n: cutlass.Constexpr, stages: cutlass.Constexpr,
-    causal: cutlass.Constexpr,
-):  # fmt: skip
-    """A consumer warpgroup: its 64 query rows' delta, their dQ over every key tile of the
-    block, then dQ scale."""
-    q_smem, do_smem, o_smem, k_smem, v_smem = buffers
-    half = warpgroup_index - 1  # which 64 rows of the block, and which half of the buffers
-    mine = thread % WARPGROUP_THREADS
-    first_row = m_block * BLOCK_M + half * WGMMA_M
-    qk_thread, dq_thread = mma_qk.get_slice(mine), mma_dq.get_slice(mine)
-    # Shared-memory operands are descriptors, the same for the whole warpgroup.
-    frags = (
-        mma_qk.make_fragment_A(qk_thread.partition_A(q_smem[None, None, half])),
-        mma_qk.make_fragment_A(qk_thread.partition_A(do_smem[None, None, half])),
-        mma_qk.make_fragment_B(qk_thread.partition_B(k_smem)),
-        mma_qk.make_fragment_B(qk_thread.partition_B(v_smem)),
-        mma_dq.make_fragment_B(
-            dq_thread.partition_B(transposed(k_smem, head_dim, block_n, stages))
-        ),
-    )  # fmt: skip
-    score_shape = qk_thread.partition_shape_C((WGMMA_M, block_n))
-    scores = cute.make_rmem_tensor(score_shape, cutlass.Float32)
-    dp = cute.make_rmem_tensor(score_shape, cutlass.Float32)
-    dq = cute.make_rmem_tensor(dq_thread.partition_shape_C((WGMMA_M, head_dim)), cutlass.Float32)
-    dq.fill(0.0)
-    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-    mma_dq.set(warpgroup.Field.ACCUMULATE, True)
-    overwrite.set(warpgroup.Field.ACCUMULATE, False)  # S's and dP's first k step
-    score_coords = by_rows(qk_thread.partition_C(cute.make_identity_tensor((WGMMA_M, block_n))))
-    lse_log2 = query_stats(lse[b, h, None], score_coords, first_row, s_q, True, True)
-
-    once_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-    once_pipe.consumer_wait(once_state)  # Q, dO and O have landed
-    lane = thread % 32
-    deltas = row_deltas(do_smem[None, None, half], o_smem[None, None, half], score_coords,
-                        lane % 4, head_dim)  # fmt: skip
-    for r in cutlass.range_constexpr(cute.size(deltas)):  # rows r and r + 8 of the warp's 16
-        row = first_row + score_coords[r, 0][0]
-        if lane % 4 == 0 and row < s_q:
-            delta[b, h, row] = deltas[r]  # for kernel 2, launched after this one
-
-    mmas = (mma_qk, mma_dq, overwrite)
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    visit = functools.partial(
-        dq_key_tile, mmas=mmas, frags=frags, scores=scores, dp=dp, dq=dq, lse_log2=lse_log2,
-        deltas=deltas, score_coords=score_coords, first_row=first_row, s_q=s_q, s_k=s_k,
-        scale_log2=scale_log2, block_n=block_n, causal=causal,
-    )  # fmt: skip
-    state = consume_tiles(ring, state, 0, full_tiles, visit, False)
-    state = consume_tiles(ring, state, full_tiles, n_tiles, visit, True)
-
-    for i in cutlass.range_constexpr(cute.size(dq)):
-        dq[i] = dq[i] * scale
-    # dQ into this warpgroup's half of Q's buffer: its S wgmmas, the only readers, completed.
-    store_accumulator(dq, q_smem, half, mine, mma_dq, tma_dq, DQ_tma[None, None, h, b], m_block,
-                      head_dim)  # fmt: skip
-
-
-@cute.kernel
-def attention_dq_kernel(
-    tma_q: cute.CopyAtom, Q_tma: cute.Tensor, tma_do: cute.CopyAtom, DO_tma: cute.Tensor,
-    tma_o: cute.CopyAtom, O_tma: cute.Tensor, tma_k: cute.CopyAtom, K_tma: cute.Tensor,
-    tma_v: cute.CopyAtom, V_tma: cute.Tensor, tma_dq: cute.CopyAtom, DQ_tma: cute.Tensor,
-    lse: cute.Tensor, delta: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
-    s_q: cutlass.Int32, s_k: cutlass.Int32, heads: cutlass.Int32, group: cutlass.Int32,
-    m_blocks: cutlass.Int32, mma_qk: cute.TiledMma, mma_dq: cute.TiledMma,
-    overwrite: cute.TiledMma,
-    half_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
-    dtype: cutlass.Constexpr, head_dim: cutlass.Constexpr[int],
-    block_n: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
-    causal: cutlass.Constexpr[bool],
-):  # fmt: skip
-    thread, _, _ = cute.arch.thread_idx()
-    block, _, _ = cute.arch.block_idx()
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
-    m_block, h, b, g = query_block(block, m_blocks, heads, group, causal)  # the forward's grid
-    n_tiles, full_tiles = key_tiles(m_block * BLOCK_M, s_q, s_k, BLOCK_M, block_n, causal)
-    if warp == 0:
-        for atom in (tma_q, tma_do, tma_o, tma_k, tma_v, tma_dq):
-            cpasync.prefetch_descriptor(atom)
-
-    smem = SmemAllocator()
-    barriers = stage_barriers(smem, stages)
-    q_smem, do_smem, o_smem = allocate(smem, dtype, half_layout, 3)
-    k_smem, v_smem = allocate(smem, dtype, ring_layout, 2)
-    half_bytes = cute.size_in_bytes(dtype, half_layout)  # both halves
-    tile_bytes = cute.size_in_bytes(dtype, cute.slice_(ring_layout, (None, None, 0)))
-    once_pipe, ring = pipelines(barriers, 3 * half_bytes, 2 * tile_bytes, stages)
-
-    if warpgroup_index == 0:
-        cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-        if warp == 0:
-            once = [(tma, *tma_tiles(tma, T[None, None, h, b], buffers, WGMMA_M, head_dim))
-                    for tma, T, buffers in ((tma_q, Q_tma, q_smem), (tma_do, DO_tma, do_smem),
-                                            (tma_o, O_tma, o_smem))]  # fmt: skip
-            load_once(once_pipe, once, m_block)
-            tiles = [
-                (tma, *tma_tiles(tma, T[None, None, g, b], buffers, block_n, head_dim))
-                for tma, T, buffers in ((tma_k, K_tma, k_smem), (tma_v, V_tma, v_smem))
-            ]
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            state = load_tiles(ring, state, tiles, 0, n_tiles)
-            ring.producer_tail(state)  # exit once the consumers have released every stage
-    else:
-        cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-        dq_consume(once_pipe, ring, mma_qk, mma_dq, overwrite, tma_dq, DQ_tma, lse, delta,
-                   (q_smem, do_smem, o_smem, k_smem, v_smem), thread, warpgroup_index, b, h,
-                   m_block, n_tiles, full_tiles, s_q, s_k, scale_log2, scale, head_dim,
-                   block_n, stages, causal)  # fmt: skip
-
-
-# (2) dK and dV --------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -327,6 +209,18 @@ def query_tiles(first_key, s_q, s_k, block_m: cutlass.Constexpr, causal: cutlass
 
 
 @cute.jit
+def blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m: cutlass.Constexpr,
+                  causal: cutlass.Constexpr):  # fmt: skip
+    """How many key blocks add to query tile `tile`'s dQ before block n_block. The tile is seen
+    by blocks 0 .. last (`query_tiles`: block n sees tile m iff m >= its first; causal, last is
+    the block of the last key the tile's last row sees), and they add from the last down."""
+    last = n_blocks - 1
+    if cutlass.const_expr(causal):
+        last = cutlass.min((tile * block_m + block_m - 1 + s_k - s_q) // BLOCK_N, last)
+    return last - n_block
+
+
+@cute.jit
 def mask_transposed(p_t, coords, first_key, first_query, s_q, s_k):
     """P^T (keys x queries view) of the keys past each query's causal diagonal set to 0: the
     mask of cute_1_tiled.mask_scores, rows and columns exchanged."""
@@ -338,18 +232,62 @@ def mask_transposed(p_t, coords, first_key, first_query, s_q, s_k):
 
 
 @cute.jit
-def dkdv_query_tile(
-    stage, tile, mmas, frags, scores_t, dp_t, dk, dv, lse, delta, score_coords, first_key, s_q,
-    s_k, scale_log2, block_m: cutlass.Constexpr, masked: cutlass.Constexpr,
+def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_blocks, tiles, s_q,
+             s_k, block_m: cutlass.Constexpr, head_dim: cutlass.Constexpr,
+             causal: cutlass.Constexpr):  # fmt: skip
+    """The writer warp, over the query tiles in the consumers' order: hand both staging buffers
+    to the consumers ("empty"), wait until the tile's semaphore counts the key blocks before
+    this one, add each consumer's staged dQ half once it is there ("full") by TMA reduce-add,
+    wait until the adds are done in L2, then count this block in (release: the next block's
+    acquire sees the adds)."""
+    lane = cute.arch.lane_idx()
+    first, _, end = tiles
+    boxes = head_dim // DQ_BOX // CONSUMER_WARPGROUPS  # a consumer's half of D
+    for head in cutlass.range(group, unroll=1):
+        h = g * group + head
+        sums = cute.local_tile(DQ_sum[None, None, h, b], (block_m, DQ_BOX), (None, None))
+        staged, tiles_of_sum = cpasync.tma_partition(
+            tma_add, 0, cute.make_layout(1), cute.group_modes(staging, 0, 2),
+            cute.group_modes(sums, 0, 2),
+        )  # fmt: skip
+        for tile in cutlass.range(first, end, unroll=1):
+            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + half,
+                                         number_of_threads=CONSUMER_AND_WRITER)  # fmt: skip
+            semaphore = semaphores.iterator + cute.crd2idx((b, h, tile), semaphores.layout)
+            if lane == 0:
+                before = blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m, causal)
+                seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+                while seen != before:
+                    seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+                cute.arch.barrier(barrier_id=DQ_FULL + half, number_of_threads=CONSUMER_AND_WRITER)
+                if lane == 0:
+                    for i in cutlass.range_constexpr(boxes):
+                        box = half * boxes + i
+                        cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])
+            if lane == 0:
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read
+                cute.arch.atomic_add(semaphore, cutlass.Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def backward_query_tile(
+    stage, tile, parity, mmas, frags, views, scores_t, dp_t, dk, dv, dq, lse, delta,
+    score_coords, first_key, s_q, s_k, scale_log2, half, mine, block_m: cutlass.Constexpr,
+    masked: cutlass.Constexpr,
 ):  # fmt: skip
     """Query tile `tile` of one head (its lse and delta rows given), landed in ring stage
-    `stage`, into this warpgroup's dK and dV."""
-    mma_kq, mma_acc, overwrite = mmas
-    k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag = frags
+    `stage`, into this warpgroup's dK and dV, and this warpgroup's half of D of the tile's dQ
+    share staged for the writer."""
+    mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
+    k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag, ds_frag, k_t_frag = frags
+    ds_store, dq_staged = views
     first_query = tile * block_m
     # Loaded before the wgmmas are issued: the loads land while they run.
-    lse_log2 = query_stats(lse, score_coords, first_query, s_q, False, True)
-    deltas = query_stats(delta, score_coords, first_query, s_q, False, False)
+    lse_log2 = query_stats(lse, score_coords, first_query, s_q, True)
+    deltas = query_stats(delta, score_coords, first_query, s_q, False)
     issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage], overwrite)
     issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage], overwrite)
     warpgroup.wait_group(1)  # S^T has landed; P^T is computed while dP^T's wgmmas run
@@ -357,7 +295,7 @@ def dkdv_query_tile(
     for c in cutlass.range_constexpr(cute.size(p_rows, mode=[1])):
         for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
             p_rows[r, c] = cute.math.exp2(p_rows[r, c] * scale_log2 - lse_log2[c], fastmath=True)
-    if cutlass.const_expr(masked):
+    if cutlass.const_expr(masked):  # after the exp2: a row that sees no key has lse = -inf
         mask_transposed(p_rows, score_coords, first_key, first_query, s_q, s_k)
     dtype = mma_acc.op.a_dtype
     p_t = cute.make_rmem_tensor_like(scores_t, dtype)
@@ -368,26 +306,49 @@ def dkdv_query_tile(
         for r in cutlass.range_constexpr(cute.size(p_rows, mode=[0])):
             dp_rows[r, c] = p_rows[r, c] * (dp_rows[r, c] - deltas[c])  # dS^T in dP^T's place
     ds_t = cute.make_rmem_tensor_like(dp_t, dtype)
-    ds_t.store(dp_t.load().to(dtype))  # round(dS^T): dK's A operand
-    multiply(mma_acc, dk, as_a_operand(ds_t), q_t_frag[None, None, None, stage])
+    ds_t.store(dp_t.load().to(dtype))  # round(dS^T): dK's A operand, and dQ's through memory
+    issue(mma_acc, dk, as_a_operand(ds_t), q_t_frag[None, None, None, stage])  # stored under it
+    slot = parity * CONSUMER_WARPGROUPS + half
+    cute.autovec_copy(ds_t, mma_kq.get_slice(mine).partition_C(ds_store[None, None, slot]))
+    cute.arch.fence_proxy("async.shared", space="cta")  # seen by the wgmmas (async proxy)
+    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)
+    # dQ share = dS K over the block's 128 keys (both consumers' dS^T), this half of D.
+    for key_half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+        issue(mma_dq, dq, ds_frag[None, None, None, parity * CONSUMER_WARPGROUPS + key_half],
+              k_t_frag[None, None, None, key_half],
+              overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip
+    warpgroup.wait_group(0)
+    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)
+    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))
+    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)
+    cute.arch.barrier_arrive(barrier_id=DQ_FULL + half, number_of_threads=CONSUMER_AND_WRITER)
 
 
 @cute.jit
-def dkdv_consume(
-    once_pipe, ring, mma_kq, mma_acc, overwrite, stores, lse, delta, buffers, thread,
-    warpgroup_index, b, g, group, n_block, tiles, s_q, s_k, scale_log2, scale,
-    head_dim: cutlass.Constexpr, block_m: cutlass.Constexpr, stages: cutlass.Constexpr,
-    causal: cutlass.Constexpr,
+def consume(
+    once_pipe, ring, mmas, stores, lse, delta, buffers, thread, warpgroup_index, b, g, group,
+    n_block, tiles, s_q, s_k, scale_log2, scale, head_dim: cutlass.Constexpr,
+    block_m: cutlass.Constexpr, stages: cutlass.Constexpr,
 ):  # fmt: skip
     """A consumer warpgroup: its 64 keys' dK and dV over the group's query heads in order and
-    their query tiles, then dK scale and dV."""
-    k_smem, v_smem, q_smem, do_smem = buffers
+    their query tiles, each tile's dQ half handed to the writer; then dK scale and dV."""
+    mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
+    k_smem, v_smem, q_smem, do_smem, ds_smem, staging = buffers
     tma_dk, DK_tma, tma_dv, DV_tma = stores
     first, full, end = tiles
-    half = warpgroup_index - 1  # which 64 keys of the block, and which half of K's and V's buffers
+    half = warpgroup_index - 1  # which 64 keys of the block, and which half of D of dQ
     mine = thread % WARPGROUP_THREADS
     first_key = n_block * BLOCK_N + half * WGMMA_M
     kq_thread, acc_thread = mma_kq.get_slice(mine), mma_acc.get_slice(mine)
+    dq_thread = mma_dq.get_slice(mine)
+    d_half = head_dim // CONSUMER_WARPGROUPS
+    # K's two 64-key halves seen as (D, keys, key half), this warpgroup's half of D: the B
+    # operand of dS K, with D as its N and the keys as its K (MN-major, as `transposed`).
+    k_t = cute.composition(
+        k_smem,
+        cute.make_layout(((d_half, CONSUMER_WARPGROUPS), WGMMA_M, CONSUMER_WARPGROUPS),
+                         stride=((WGMMA_M, WGMMA_M * d_half), 1, WGMMA_M * head_dim)),
+    )[(None, half), None, None]  # fmt: skip
     frags = (
         mma_kq.make_fragment_A(kq_thread.partition_A(k_smem[None, None, half])),
         mma_kq.make_fragment_A(kq_thread.partition_A(v_smem[None, None, half])),
@@ -399,6 +360,23 @@ def dkdv_consume(
         mma_acc.make_fragment_B(
             acc_thread.partition_B(transposed(do_smem, head_dim, block_m, stages))
         ),
+        mma_dq.make_fragment_A(dq_thread.partition_A(ds_smem)),
+        mma_dq.make_fragment_B(dq_thread.partition_B(k_t)),
+    )  # fmt: skip
+    boxes = d_half // DQ_BOX
+    views = (
+        # dS^T's (keys, queries) onto the dS buffers' (queries, keys, slot).
+        cute.composition(
+            ds_smem,
+            cute.make_layout((WGMMA_M, block_m, 2 * CONSUMER_WARPGROUPS),
+                             stride=(block_m, 1, block_m * WGMMA_M)),
+        ),
+        # This warpgroup's (queries, D / 2) of dQ onto its staging boxes (queries, 32).
+        cute.composition(
+            staging,
+            cute.make_layout((block_m, (DQ_BOX, boxes), CONSUMER_WARPGROUPS),
+                             stride=(1, (block_m, block_m * DQ_BOX), block_m * DQ_BOX * boxes)),
+        )[None, None, half],
     )  # fmt: skip
     score_shape = kq_thread.partition_shape_C((WGMMA_M, block_m))
     scores_t = cute.make_rmem_tensor(score_shape, cutlass.Float32)
@@ -406,31 +384,39 @@ def dkdv_consume(
     acc_shape = acc_thread.partition_shape_C((WGMMA_M, head_dim))
     dk = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
     dv = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+    dq = cute.make_rmem_tensor(dq_thread.partition_shape_C((block_m, d_half)), cutlass.Float32)
     dk.fill(0.0)
     dv.fill(0.0)
-    mma_kq.set(warpgroup.Field.ACCUMULATE, True)
-    mma_acc.set(warpgroup.Field.ACCUMULATE, True)
-    overwrite.set(warpgroup.Field.ACCUMULATE, False)  # S^T's and dP^T's first k step
+    for mma in (mma_kq, mma_acc, mma_dq):
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+    for mma in (overwrite, overwrite_dq):  # S^T's, dP^T's and dQ's first k step
+        mma.set(warpgroup.Field.ACCUMULATE, False)
     score_coords = by_rows(kq_thread.partition_C(cute.make_identity_tensor((WGMMA_M, block_m))))
 
     once_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     once_pipe.consumer_wait(once_state)  # K and V have landed
-    mmas = (mma_kq, mma_acc, overwrite)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     for head in cutlass.range(group, unroll=1):  # the group's query heads, in order
         h = g * group + head
         visit = functools.partial(
-            dkdv_query_tile, mmas=mmas, frags=frags, scores_t=scores_t, dp_t=dp_t, dk=dk,
-            dv=dv, lse=lse[b, h, None], delta=delta[b, h, None], score_coords=score_coords,
-            first_key=first_key, s_q=s_q, s_k=s_k, scale_log2=scale_log2, block_m=block_m,
+            backward_query_tile, mmas=mmas, frags=frags, views=views, scores_t=scores_t,
+            dp_t=dp_t, dk=dk, dv=dv, dq=dq, lse=lse[b, h, None], delta=delta[b, h, None],
+            score_coords=score_coords, first_key=first_key, s_q=s_q, s_k=s_k,
+            scale_log2=scale_log2, half=half, mine=mine, block_m=block_m,
         )  # fmt: skip
-        state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
-        state = consume_tiles(ring, state, full, end, visit, False)
+        for part_first, part_end, masked in ((first, full, True), (full, end, False)):
+            for tile in cutlass.range(part_first, part_end, unroll=1):
+                ring.consumer_wait(state)
+                visit(state.index, tile, state.count % 2, masked=masked)
+                ring.consumer_release(state)
+                state.advance()
 
+    # dK and dV go into this warpgroup's halves of K's and V's buffers. V's half was read by
+    # this warpgroup's dP^T only, K's by its S^T and by both consumers' dQ wgmmas: both have
+    # waited for theirs once they meet here.
+    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)
     for i in cutlass.range_constexpr(cute.size(dk)):
         dk[i] = dk[i] * scale
-    # dK and dV into this warpgroup's halves of K's and V's buffers, whose only readers (the
-    # S^T and dP^T wgmmas of this warpgroup) have completed.
     store_accumulator(dk, k_smem, half, mine, mma_acc, tma_dk, DK_tma[None, None, g, b], n_block,
                       head_dim)  # fmt: skip
     store_accumulator(dv, v_smem, half, mine, mma_acc, tma_dv, DV_tma[None, None, g, b], n_block,
@@ -438,15 +424,17 @@ def dkdv_consume(
 
 
 @cute.kernel
-def attention_dkdv_kernel(
+def attention_backward_kernel(
     tma_k: cute.CopyAtom, K_tma: cute.Tensor, tma_v: cute.CopyAtom, V_tma: cute.Tensor,
     tma_q: cute.CopyAtom, Q_tma: cute.Tensor, tma_do: cute.CopyAtom, DO_tma: cute.Tensor,
     tma_dk: cute.CopyAtom, DK_tma: cute.Tensor, tma_dv: cute.CopyAtom, DV_tma: cute.Tensor,
+    tma_add: cute.CopyAtom, DQ_sum: cute.Tensor, semaphores: cute.Tensor,
     lse: cute.Tensor, delta: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
     s_q: cutlass.Int32, s_k: cutlass.Int32, heads_kv: cutlass.Int32, group: cutlass.Int32,
     n_blocks: cutlass.Int32, mma_kq: cute.TiledMma, mma_acc: cute.TiledMma,
-    overwrite: cute.TiledMma,
+    overwrite: cute.TiledMma, mma_dq: cute.TiledMma, overwrite_dq: cute.TiledMma,
     half_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+    ds_layout: cute.ComposedLayout, staging_layout: cute.ComposedLayout,
     dtype: cutlass.Constexpr, head_dim: cutlass.Constexpr[int],
     block_m: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
@@ -455,21 +443,23 @@ def attention_dkdv_kernel(
     block, _, _ = cute.arch.block_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_index = cute.arch.make_warp_uniform(thread // WARPGROUP_THREADS)
-    # Key block fastest, then KV head, then batch. Causal: the first key blocks see the most
-    # queries, and they come first already.
-    n_block = block % n_blocks
+    # Key block fastest, the last first (the dQ order: a block waits only on blocks launched
+    # before it), then KV head, then batch.
+    n_block = n_blocks - 1 - block % n_blocks
     g = block // n_blocks % heads_kv
     b = block // n_blocks // heads_kv
     tiles = query_tiles(n_block * BLOCK_N, s_q, s_k, block_m, causal)
     first, _, end = tiles
     if warp == 0:
-        for atom in (tma_k, tma_v, tma_q, tma_do, tma_dk, tma_dv):
+        for atom in (tma_k, tma_v, tma_q, tma_do, tma_dk, tma_dv, tma_add):
             cpasync.prefetch_descriptor(atom)
 
     smem = SmemAllocator()
     barriers = stage_barriers(smem, stages)
     k_smem, v_smem = allocate(smem, dtype, half_layout, 2)
     q_smem, do_smem = allocate(smem, dtype, ring_layout, 2)
+    (ds_smem,) = allocate(smem, dtype, ds_layout, 1)
+    (staging,) = allocate(smem, cutlass.Float32, staging_layout, 1)
     half_bytes = cute.size_in_bytes(dtype, half_layout)  # both halves
     tile_bytes = cute.size_in_bytes(dtype, cute.slice_(ring_layout, (None, None, 0)))
     once_pipe, ring = pipelines(barriers, 2 * half_bytes, 2 * tile_bytes, stages)
@@ -490,78 +480,90 @@ def attention_dkdv_kernel(
                                                  (tma_do, DO_tma, do_smem))]  # fmt: skip
                 state = load_tiles(ring, state, loads, first, end)
             ring.producer_tail(state)
+        if warp == WRITER_WARP:
+            write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_blocks, tiles,
+                     s_q, s_k, block_m, head_dim, causal)  # fmt: skip
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-        dkdv_consume(once_pipe, ring, mma_kq, mma_acc, overwrite,
-                     (tma_dk, DK_tma, tma_dv, DV_tma), lse, delta,
-                     (k_smem, v_smem, q_smem, do_smem), thread, warpgroup_index, b, g,
-                     group, n_block, tiles, s_q, s_k, scale_log2, scale, head_dim, block_m,
-                     stages, causal)  # fmt: skip
+        consume(once_pipe, ring, (mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq),
+                (tma_dk, DK_tma, tma_dv, DV_tma), lse, delta,
+                (k_smem, v_smem, q_smem, do_smem, ds_smem, staging), thread, warpgroup_index,
+                b, g, group, n_block, tiles, s_q, s_k, scale_log2, scale, head_dim, block_m,
+                stages)  # fmt: skip
 
 
 # The launch -----------------------------------------------------------------------------------
 
 
-def tma_atom(op, t, seq, heads, batch, layout, rows, head_dim):
-    """A TMA atom (and its coordinate tensor) for tiles of `rows` x D of t, a (B, S, H, D)
-    tensor, into or out of one slot of `layout`."""
+def tma_atom(op, t, seq, heads, batch, layout, rows, columns):
+    """A TMA atom (and its coordinate tensor) for tiles of `rows` x `columns` of t, a (B, S, H,
+    D) tensor, into or out of one slot of `layout`."""
     return cpasync.make_tiled_tma_atom(
         op, seq_major(t, seq, heads, batch), cute.slice_(layout, (None, None, 0)),
-        (rows, head_dim),
+        (rows, columns),
     )  # fmt: skip
 
 
 @cute.jit
 def launch_backward(
     q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
-    do: cute.Tensor, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, delta: cute.Tensor,
-    scale_log2: cutlass.Float32, scale: cutlass.Float32, stream: cuda.CUstream,
-    head_dim: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+    do: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, delta: cute.Tensor, dq_sum: cute.Tensor,
+    semaphores: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
+    stream: cuda.CUstream, head_dim: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
 ):  # fmt: skip
     """The backward over (B, S, H, D) operands with 16-byte aligned bases and positive batch,
-    sequence and head strides that are multiples of 16 bytes (TMA's rules; cute_impl checks);
-    delta (B, H, S_q) float32 scratch. The dQ kernel, then (same stream) the dK/dV kernel
-    that reads its delta."""
-    (block_n, dq_stages), (block_m, dkdv_stages) = TILES[head_dim]
+    sequence and head strides that are multiples of 16 bytes (TMA's rules; cute_impl checks),
+    into dK, dV and dq_sum: delta_kernel, then (same stream) attention_backward_kernel. Scratch:
+    delta (B, H, S_q) float32; dq_sum (B, S_q, H, D) float32, rows 16-byte aligned;
+    semaphores (B, H, ceil(S_q / 64)) int32. dQ = scale dq_sum is the caller's."""
+    block_m, stages = TILES[head_dim]
     dtype = q.element_type
     batch = cutlass.Int32(cute.size(q, mode=[0]))
     s_q, heads = cutlass.Int32(cute.size(q, mode=[1])), cutlass.Int32(cute.size(q, mode=[2]))
     s_k, heads_kv = cutlass.Int32(cute.size(k, mode=[1])), cutlass.Int32(cute.size(k, mode=[2]))
-    group = heads // heads_kv
+
+    rows = batch * s_q * heads
+    delta_kernel(o, do, delta, dq_sum, semaphores, rows, s_q, heads, block_m, head_dim).launch(
+        grid=[(rows + DELTA_WARPS - 1) // DELTA_WARPS, 1, 1], block=[DELTA_WARPS * 32, 1, 1],
+        stream=stream,
+    )  # fmt: skip
+
+    # K, V, dK and dV in 64-row halves; Q and dO in a ring of block_m-query tiles; dS^T in
+    # four buffers (two parities x two consumers), queries contiguous (dQ's MN-major A); dQ
+    # staged in float32 boxes of block_m x DQ_BOX.
     load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-
-    # (1) dQ: Q, dO, O and dQ in 64-row halves, K and V in a ring of block_n-key tiles.
-    half_layout, ring_layout = smem_layouts(dtype, head_dim, block_n, dq_stages)
-    by_query = [tma_atom(op, t, s_q, heads, batch, half_layout, WGMMA_M, head_dim)
-                for op, t in ((load, q), (load, do), (load, o), (store, dq))]  # fmt: skip
-    by_key = [tma_atom(load, t, s_k, heads_kv, batch, ring_layout, block_n, head_dim)
-              for t in (k, v)]  # fmt: skip
-    mma_qk, mma_dq = tiled_mmas(dtype, head_dim, block_n)
-    overwrite, _ = tiled_mmas(dtype, head_dim, block_n)  # S's and dP's first k step
-    (tma_q, Q_tma), (tma_do, DO_tma), (tma_o, O_tma), (tma_dq, DQ_tma) = by_query
-    (tma_k, K_tma), (tma_v, V_tma) = by_key
-    m_blocks = (s_q + BLOCK_M - 1) // BLOCK_M
-    attention_dq_kernel(
-        tma_q, Q_tma, tma_do, DO_tma, tma_o, O_tma, tma_k, K_tma, tma_v, V_tma, tma_dq, DQ_tma,
-        lse, delta, scale_log2, scale, s_q, s_k, heads, group, m_blocks, mma_qk, mma_dq,
-        overwrite, half_layout, ring_layout, dtype, head_dim, block_n, dq_stages, causal,
-    ).launch(grid=[m_blocks * heads * batch, 1, 1], block=[THREADS, 1, 1], stream=stream,
-             min_blocks_per_mp=ONE_BLOCK_AN_SM)  # fmt: skip
-
-    # (2) dK, dV: K, V, dK and dV in 64-row halves, Q and dO in a ring of block_m-query tiles.
-    half_layout, ring_layout = smem_layouts(dtype, head_dim, block_m, dkdv_stages)
+    half_layout, ring_layout = smem_layouts(dtype, head_dim, block_m, stages)
+    ds_layout = sm90_utils.make_smem_layout_a(
+        LayoutEnum.COL_MAJOR, (block_m, head_dim, WGMMA_M), dtype, 2 * CONSUMER_WARPGROUPS
+    )
+    staging_layout = sm90_utils.make_smem_layout_epi(
+        cutlass.Float32, LayoutEnum.ROW_MAJOR, (block_m, DQ_BOX), head_dim // DQ_BOX
+    )
     by_key = [tma_atom(op, t, s_k, heads_kv, batch, half_layout, WGMMA_M, head_dim)
               for op, t in ((load, k), (load, v), (store, dk), (store, dv))]  # fmt: skip
     by_query = [tma_atom(load, t, s_q, heads, batch, ring_layout, block_m, head_dim)
                 for t in (q, do)]  # fmt: skip
+    tma_add, DQ_sum = tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), dq_sum, s_q, heads,
+                               batch, staging_layout, block_m, DQ_BOX)  # fmt: skip
     mma_kq, mma_acc = tiled_mmas(dtype, head_dim, block_m)
     overwrite, _ = tiled_mmas(dtype, head_dim, block_m)  # S^T's and dP^T's first k step
+    # dQ = dS K: dS from shared memory, queries contiguous, and K seen with D contiguous, both
+    # MN-major; a consumer's half of D.
+    mma_dq, overwrite_dq = (
+        sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1),
+            tiler_mn=(block_m, head_dim // CONSUMER_WARPGROUPS),
+        )
+        for _ in range(2)
+    )  # fmt: skip
     (tma_k, K_tma), (tma_v, V_tma), (tma_dk, DK_tma), (tma_dv, DV_tma) = by_key
     (tma_q, Q_tma), (tma_do, DO_tma) = by_query
     n_blocks = (s_k + BLOCK_N - 1) // BLOCK_N
-    attention_dkdv_kernel(
+    attention_backward_kernel(
         tma_k, K_tma, tma_v, V_tma, tma_q, Q_tma, tma_do, DO_tma, tma_dk, DK_tma, tma_dv,
-        DV_tma, lse, delta, scale_log2, scale, s_q, s_k, heads_kv, group, n_blocks, mma_kq,
-        mma_acc, overwrite, half_layout, ring_layout, dtype, head_dim, block_m, dkdv_stages, causal,
+        DV_tma, tma_add, DQ_sum, semaphores, lse, delta, scale_log2, scale, s_q, s_k, heads_kv,
+        heads // heads_kv, n_blocks, mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq,
+        half_layout, ring_layout, ds_layout, staging_layout, dtype, head_dim, block_m, stages,
+        causal,
     ).launch(grid=[n_blocks * heads_kv * batch, 1, 1], block=[THREADS, 1, 1], stream=stream,
              min_blocks_per_mp=ONE_BLOCK_AN_SM)  # fmt: skip

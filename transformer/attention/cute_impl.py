@@ -70,9 +70,9 @@ def kernel_takes(q, k, v, o, step=1):
 
 def backward_kernel_takes(q, k, v, o, do, dq, dk, dv):
     """Whether step 3's backward kernels run these (validated) operands: kernel_takes's rules
-    for TMA over every tensor they load or store (lse and the delta scratch take any strides).
-    The rest goes to Triton's backward."""
-    return takes(cute_3_backward.TILES, (q, k, v, o, do, dq, dk, dv), tma=True)
+    for TMA over every tensor they load or store (lse takes any strides; dq is written by
+    torch from the float32 sum). The rest goes to Triton's backward."""
+    return takes(cute_3_backward.TILES, (q, k, v, o, do, dk, dv), tma=True)
 
 
 def takes(tiles, tensors, tma):
@@ -125,16 +125,25 @@ def build(dtype, head_dim, causal, options="", step=1, backward=False):
 
 
 def build_backward(dtype, head_dim, causal, options=""):
-    """cute.compile step 3's backward launcher as `build` does the forward's: q, o, dO and dQ
-    share (B, S_q, H), k, v, dK and dV (B, S_k, H_kv); lse and delta (B, H, S_q) float32."""
-    batch, s_q, s_k, heads, heads_kv = (cute.sym_int64() for _ in range(5))
-    q, o, do, dq = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(4))
+    """cute.compile step 3's backward launcher as `build` does the forward's: q, o and dO
+    share (B, S_q, H), k, v, dK and dV (B, S_k, H_kv); lse and delta (B, H, S_q) float32; the
+    dQ sum (B, S_q, H, D) float32 with 16-byte rows; the semaphores (B, H, query tiles)."""
+    batch, s_q, s_k, heads, heads_kv, tiles = (cute.sym_int64() for _ in range(6))
+    q, o, do = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(3))
     k, v, dk, dv = (fake_operand(dtype, batch, s_k, heads_kv, head_dim) for _ in range(4))
     lse, delta = fake_rows(batch, heads, s_q), fake_rows(batch, heads, s_q)
+    dq_sum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (batch, s_q, heads, head_dim),
+        stride=(*(cute.sym_int64(divisibility=4) for _ in range(3)), 1), assumed_align=16,
+    )  # fmt: skip
+    semaphores = cute.runtime.make_fake_tensor(
+        cutlass.Int32, (batch, heads, tiles), stride=tuple(cute.sym_int64() for _ in range(3)),
+        assumed_align=4,
+    )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        cute_3_backward.launch_backward, q, k, v, o, lse, do, dq, dk, dv, delta, 1.0, 1.0,
-        stream, head_dim, causal, options=f"--enable-tvm-ffi {options}",
+        cute_3_backward.launch_backward, q, k, v, o, lse, do, dk, dv, delta, dq_sum, semaphores,
+        1.0, 1.0, stream, head_dim, causal, options=f"--enable-tvm-ffi {options}",
     )  # fmt: skip
 
 
@@ -147,7 +156,7 @@ def compile_step(dtype, head_dim, causal, step=1, backward=False):
 
 def ptx_of(dtype, head_dim, causal, step=1, backward=False):
     """The sm_90a PTX of a build: what the tests read (step 1: mma.sync, ldmatrix and
-    cp.async; steps 2 and 3: wgmma, TMA and mbarriers; the backward's two kernels, alike)."""
+    cp.async; steps 2 and 3: wgmma, TMA and mbarriers; the backward: its two kernels)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         options = f"--keep-ptx --dump-dir={dump_dir} --gpu-arch=sm_90a"
         return build(dtype, head_dim, causal, options, step, backward).__ptx__
@@ -200,9 +209,10 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
 
 
 def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    """The backward on step 3's kernels (cute_3_backward.py: a dQ kernel, then a dK/dV
-    kernel, TMA and wgmma, deterministic; a Hopper GPU) where they take the operands
-    (`backward_kernel_takes`), else Triton's, with attention_backward's validation first."""
+    """The backward on step 3's kernels (cute_3_backward.py: delta, then dK, dV and the float32
+    sum of dQ in one pass over the keys, TMA and wgmma, deterministic; a Hopper GPU) where
+    they take the operands (`backward_kernel_takes`), else Triton's, with attention_backward's
+    validation first; dQ = scale x the sum, rounded into dq."""
     check_operands(q, k, v, causal, scale, backward_outputs(q, k, dq, dk, dv),
                    backward_inputs(q, o, lse, do))  # fmt: skip
     if not q.is_cuda:
@@ -212,11 +222,23 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     if dq.numel() == 0 or k.shape[1] == 0:  # no query: dK = dV = 0; no key: dQ = 0
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
-    scale = default_scale(q.shape[3], scale)
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # kernel 1 -> 2
-    kernel = compile_step(q.dtype, q.shape[3], causal, backward=True)
-    kernel(q, k, v, o, lse, do, dq, dk, dv, delta, scale * cute_1_tiled.LOG2E, scale)
+    run_backward(compile_step(q.dtype, q.shape[3], causal, backward=True), q, k, v, o, lse, do,
+                 default_scale(q.shape[3], scale), dq, dk, dv)  # fmt: skip
     return dq, dk, dv
+
+
+def run_backward(kernel, q, k, v, o, lse, do, scale, dq, dk, dv):
+    """A compiled backward (`compile_step(..., backward=True)`) on validated operands, with
+    its scratch: delta, the float32 dQ sum and the semaphores, zeroed by its first kernel."""
+    batch, s_q, heads, head_dim = q.shape
+    block_m, _ = cute_3_backward.TILES[head_dim]
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    semaphores = torch.empty((batch, heads, -(-s_q // block_m)), dtype=torch.int32,
+                             device=q.device)  # fmt: skip
+    kernel(q, k, v, o, lse, do, dk, dv, delta, dq_sum, semaphores,
+           scale * cute_1_tiled.LOG2E, scale)  # fmt: skip
+    torch.mul(dq_sum, scale, out=dq)
 
 
 AttentionFunction, attention, _forward_op = model_plumbing(

@@ -340,7 +340,8 @@ def test_outputs_inside_guard(impl):
 
 @pytest.mark.parametrize("impl", LAUNCHED)
 def test_repeatability(impl):
-    """Two runs give the same bits: no atomics, fixed orders (GQA's heads summed in order)."""
+    """Two runs give the same bits: fixed orders (GQA's heads summed in order; CuTe's dQ summed
+    over the key blocks in a semaphore's order)."""
     q, k, v, do = operands(1, 40, 40, 4, 2, 32, torch.bfloat16)
     runs = [check_backward(impl, q, k, v, do, True) for _ in range(2)]
     for first, second in zip(*runs, strict=True):
@@ -726,30 +727,33 @@ def step3_ptx_promises(kind, head_dim):
 
 
 def backward_ptx_promises(kind, head_dim, causal):
-    """The map of cute_3_backward.py, two kernels of two loops each (the dK/dV kernel's masked
-    loop only when causal: no query tile needs a mask otherwise): dQ's S and dP (64 x BLOCK_N,
-    D / 16 wgmmas each a tile) and dQ += dS K (64 x D, BLOCK_N / 16, dS in registers);
-    dK/dV's S^T and dP^T (64 x BLOCK_M) and dV += P^T dO, dK += dS^T Q (64 x D, BLOCK_M / 16
-    each, from registers); TMA loads on mbarriers, TMA stores of dQ, dK, dV written by
-    stmatrix; setmaxnreg with the .minnctapersm that keeps ptxas from ignoring it; no atomics
-    (the same bits every run). As (instruction counts, present, absent)."""
-    (block_n, _), (block_m, _) = cute_3_backward.TILES[head_dim]
-    dkdv_loops = 2 if causal else 1
+    """The map of cute_3_backward.py: delta's kernel (a butterfly sum), then one pass over the
+    query tiles, in two loops (the masked one only when causal: no query tile needs a mask
+    otherwise), each with S^T and dP^T (64 x BLOCK_M, D / 16 wgmmas each, from shared memory),
+    dV += P^T dO and dK += dS^T Q (64 x D, BLOCK_M / 16 each, from registers) and dQ's share
+    dS K (64 x D / 2 a consumer, BLOCK_N / 16 from shared memory); TMA loads on mbarriers, TMA
+    stores of dK and dV written by stmatrix, dQ added in float32 by TMA reduce-add in the order
+    of a semaphore (an acquire load, a release add on an integer); setmaxnreg with the
+    .minnctapersm that keeps ptxas from ignoring it; no float atomics (a float sum in no fixed
+    order). As (instruction counts, present, absent)."""
+    block_m, _ = cute_3_backward.TILES[head_dim]
+    loops = 2 if causal else 1
     wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
-    expected = collections.Counter({wgmma.format(block_n): 2 * 2 * head_dim // 16})
-    expected[wgmma.format(block_m)] += dkdv_loops * 2 * head_dim // 16
-    register_a = 2 * block_n // 16 + dkdv_loops * 2 * block_m // 16
-    expected[wgmma.format(head_dim)] += register_a
-    expected[REGISTER_A_WGMMA] = register_a
+    expected = collections.Counter({wgmma.format(block_m): loops * 2 * head_dim // 16})
+    expected[wgmma.format(head_dim)] += loops * 2 * block_m // 16
+    expected[wgmma.format(head_dim // 2)] += loops * cute_3_backward.BLOCK_N // 16
+    expected[REGISTER_A_WGMMA] = loops * 2 * block_m // 16
     _, present, absent = step2_ptx_promises(kind, head_dim)
-    present = [*present, ".minnctapersm 1"]
-    return expected, present, [*absent, ATOMIC]
+    present = [*present, ".minnctapersm 1", "shfl.sync.bfly",
+               "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile",
+               "ld.acquire.gpu.global.b32", "atom.global.release.add.u32"]  # fmt: skip
+    return expected, present, [*absent, FLOAT_ATOMIC]
 
 
 # A wgmma whose A operand is a vector of registers ("{...}, {") rather than a descriptor.
 REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\S* \{[^}]*\}, \{")
-# An atomic of any kind (red or atom, with or without a predicate): a sum in no fixed order.
-ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(red|atom)\.", re.MULTILINE)
+# A float atomic (red or atom, with or without a predicate): a sum in no fixed order.
+FLOAT_ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(red|atom)\.\S*\.(f16|bf16|f32|f64)\b", re.MULTILINE)
 
 
 def missing_ptx_facts(ptx, dtype, head_dim, build=1, causal=False):
@@ -791,7 +795,8 @@ def test_cute_builds_for_hopper(dtype, head_dim, causal, build):
     """Every specialisation each CuTe build is compiled for compiles for sm_90a (no GPU) into
     the instructions its step promises (step 1: warp-level MMA fed by ldmatrix and cp.async;
     step 2: wgmma fed by TMA and mbarriers; step 3: step 2's on the overlapped schedule; the
-    backward: the same in two kernels, no atomics), with the instructions the bound counts."""
+    backward: the same in one pass, dQ added in a fixed order, no float atomics), with the
+    instructions the bound counts."""
     ptx = cute_ptx(dtype, head_dim, causal, build)
     assert missing_ptx_facts(ptx, dtype, head_dim, build, causal) == []
 
@@ -820,14 +825,23 @@ def test_cute_ptx_check_rejects_other_builds(build):
             "wgmma.wait_group.sync.aligned \t1;",
             "bar.arrive",
         ),
-        BACKWARD: ("wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix", ".minnctapersm"),
+        BACKWARD: (
+            "wgmma.mma_async",
+            "cp.async.bulk.tensor",
+            "stmatrix",
+            ".minnctapersm",
+            "cp.reduce.async",
+            "ld.acquire",
+        ),
     }
     for instruction in stripped_instructions[build]:
         stripped = "\n".join(line for line in ptx.splitlines() if instruction not in line)
         assert missing_ptx_facts(stripped, torch.bfloat16, 64, build)
     if build == BACKWARD:
         atomic = ptx.replace("\tret;", "\tred.global.add.f32 [%rd1], %f1;\n\tret;", 1)
-        assert missing_ptx_facts(atomic, torch.bfloat16, 64, build) == [f"no {ATOMIC.pattern}"]
+        assert missing_ptx_facts(atomic, torch.bfloat16, 64, build) == [
+            f"no {FLOAT_ATOMIC.pattern}"
+        ]
 
 
 @needs_cute
@@ -857,16 +871,13 @@ def test_cute_tiles_fit_the_registers(head_dim, causal, build, tmp_path):
 
 
 def wgmma_tiles():
-    """(D, N, stages) of every wgmma pair the steps build (step 2's S and P V; step 3's S, dP
-    and dQ += dS K, and S^T, dP^T and the dK, dV products): an accumulator 64 x N regrouped as
-    the register A operand of a 64 x D x N product, whose B is a ring of N x D seen
-    transposed."""
+    """(D, N, stages) of every wgmma pair the steps build (steps 2's and 3's S and P V; the
+    backward's S^T, dP^T and the dK, dV products): an accumulator 64 x N regrouped as the
+    register A operand of a 64 x D x N product, whose B is a ring of N x D seen transposed."""
     if cute_impl is None:
         return []
-    forwards = (cute_2_wgmma, cute_3_overlap)
-    tiles = {(d, *tile) for step in forwards for d, tile in step.TILES.items()}
-    tiles |= {(d, *tile) for d, pair in cute_3_backward.TILES.items() for tile in pair}
-    return sorted(tiles)
+    steps = (cute_2_wgmma, cute_3_overlap, cute_3_backward)
+    return sorted({(d, *tile) for step in steps for d, tile in step.TILES.items()})
 
 
 @needs_cute
@@ -963,7 +974,7 @@ def test_cute_routes_what_the_kernel_does_not_take():
     rows run the CuTe kernel, (B, H, S, D) views and packed qkv slices included; float32,
     other head dimensions and misaligned bases or strides go to Triton (negative controls).
     Step 2 takes the same, less views with a zero stride (TMA's strides must be positive);
-    step 3's backward the same as step 2 over q, k, v, O, dO, dQ, dK and dV."""
+    step 3's backward the same as step 2 over q, k, v, O, dO, dK and dV."""
     q, k, v, _ = operands(1, 5, 7, 4, 2, 64, torch.bfloat16)
     assert cute_impl.kernel_takes(q, k, v, torch.empty_like(q))
     bhsd = operands(1, 5, 7, 4, 2, 128, torch.float16, layout="bhsd")
@@ -986,7 +997,8 @@ def test_cute_routes_what_the_kernel_does_not_take():
     assert cute_impl.kernel_takes(q, shared, v, torch.empty_like(q))
     assert not cute_impl.kernel_takes(q, shared, v, torch.empty_like(q), step=2)
 
-    # Step 3's backward: step 2's rules over every tensor it loads or stores.
+    # Step 3's backward: step 2's rules over every tensor it loads or stores (dq is written by
+    # torch from the float32 sum: any dq).
     def takes(q, k, v, o=None, do=None, dq=None, dk=None, dv=None):
         o, do, dq = (torch.empty_like(q) if t is None else t for t in (o, do, dq))
         dk, dv = (torch.empty_like(k) if t is None else t for t in (dk, dv))
@@ -994,7 +1006,7 @@ def test_cute_routes_what_the_kernel_does_not_take():
 
     assert takes(q, k, v) and takes(*bhsd[:3], do=bhsd[3])
     assert not takes(q32, k32, v32) and not takes(q80, k80, v80)
-    assert not takes(q, k, v, dq=shifted) and not takes(q, k, v, do=shifted)
+    assert takes(q, k, v, dq=shifted) and not takes(q, k, v, do=shifted)
     assert not takes(q, k, v, dk=torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape))
     assert not takes(q, shared, v) and not takes(q, k, v, do=q[:, :1].expand(q.shape))
 
@@ -1131,8 +1143,8 @@ def guarded_rows(shape, dtype):
 def test_cute_kernel_outputs_inside_guard(step):
     """O as a 16-byte aligned view inside a NaN-filled buffer (so the kernel takes it) and lse
     as a view of another: every element inside written, nothing outside touched. Step 3 also
-    dQ, dK and dV so, twice, the same bits both times (no atomics; a KV head's 3 query heads
-    summed in order)."""
+    dQ, dK and dV so, twice, the same bits both times (a KV head's 3 query heads summed in
+    order, dQ's key blocks in the semaphores' order)."""
     q, k, v, do = operands(2, 75, 75, 3, 1, 64, torch.float16)
     if step == BACKWARD_STEP:
         runs = []
