@@ -25,9 +25,10 @@ every run the adds must come in a fixed order. Each query tile has a semaphore (
 counting the key blocks that have added); block n adds only once it reads the number of blocks
 before it in the order, then counts itself in. The order is the last key block first, and the
 grid launches the last key block first, so a block only ever waits on blocks already running
-(a block waiting on one that cannot start would hang the GPU), and under causal masking the
-last block, which sees the fewest query tiles, waits on none: a tile's first adder is the block
-for which it is the first tile.
+(a block waiting on one that cannot start would hang the GPU). Under causal masking no later
+block sees a block's first query tile, so every block adds first there and starts without
+waiting; without a mask every block starts on tile 0, each one tile's adds behind the one
+launched before it.
 
 1. `delta_kernel`: delta = rowsum(dO O) per query row (a warp a row, a butterfly sum), the dQ
    sum's rows zeroed and the semaphores zeroed.
