@@ -4,9 +4,10 @@
 warp-level MMA, cp.async and ldmatrix) and `attention_backward` is Triton's
 (triton_impl.attention_backward), which reads the lse every forward writes (float32, natural
 log). Step 3 (cute_3_overlap.py: TMA, wgmma, warp specialisation and the FlashAttention-3
-schedule, and cute_3_backward.py: the backward, deterministic, on TMA and wgmma) is to become
-the default on a Hopper GPU once its tests have passed on one: its forward matched float32 on
-an H100 at 0.96x FA4's speed, but the test suite of its last version has not run on a GPU.
+schedule, and cute_3_backward.py: the backward in one pass over the keys, deterministic) is to
+become the default on a Hopper GPU once its tests have passed on one: its forward matched
+float32 on an H100 at 0.96x FA4's speed, but its test suite has not run on a GPU, and the
+one-pass backward has not run on one at all.
 
 A kernel takes CUDA float16 and bfloat16 operands with a head dimension it is built for (D =
 64 or 128, each step's `TILES`) whose bases lie on 16-byte boundaries and whose batch, sequence
