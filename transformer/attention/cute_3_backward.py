@@ -26,9 +26,10 @@ counting the key blocks that have added); block n adds only once it reads the nu
 before it in the order, then counts itself in. The order is the last key block first, and the
 grid launches the last key block first, so a block only ever waits on blocks already running
 (a block waiting on one that cannot start would hang the GPU). Under causal masking no later
-block sees a block's first query tile, so every block adds first there and starts without
-waiting; without a mask every block starts on tile 0, each one tile's adds behind the one
-launched before it.
+block sees the first query tile of a block whose first key the first query row does not see,
+so such a block adds first there and starts without waiting; the other blocks (all of them
+without a mask, the keys every row sees when S_k > S_q) start on tile 0, each one tile's adds
+behind the block launched before it.
 
 1. `delta_kernel`: delta = rowsum(dO O) per query row (a warp a row, a butterfly sum), the dQ
    sum's rows zeroed and the semaphores zeroed.
@@ -194,8 +195,9 @@ def query_stats(values, score_coords, first_query, s_q, to_log2: cutlass.Constex
     return stats
 
 
-@cute.jit
-def query_tiles(first_key, s_q, s_k, block_m: cutlass.Constexpr, causal: cutlass.Constexpr):
+# query_tiles and blocks_before are plain Python over ints or the kernel's Int32s (traced
+# inline there): test.py plays the dQ order on the host with them.
+def query_tiles(first_key, s_q, s_k, block_m, causal):
     """(first, full, end) query tiles of block_m rows for the keys [first_key, first_key +
     BLOCK_N): tiles [first, full) hold their causal diagonal (masked), [full, end) see every
     one of them; the rows before tile `first` see none (triton_impl's dK/dV kernel)."""
@@ -209,9 +211,7 @@ def query_tiles(first_key, s_q, s_k, block_m: cutlass.Constexpr, causal: cutlass
     return first, full, end
 
 
-@cute.jit
-def blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m: cutlass.Constexpr,
-                  causal: cutlass.Constexpr):  # fmt: skip
+def blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m, causal):
     """How many key blocks add to query tile `tile`'s dQ before block n_block. The tile is seen
     by blocks 0 .. last (`query_tiles`: block n sees tile m iff m >= its first; causal, last is
     the block of the last key the tile's last row sees), and they add from the last down."""

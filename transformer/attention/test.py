@@ -968,6 +968,61 @@ if cute_impl is not None:  # @cute.jit needs the DSL
         ) and str(mn_major.inner) == str(kv_layout.inner)
 
 
+def dq_order_faults(s_q, s_k, causal, blocks_before):
+    """The one-pass backward's dQ order played on the host (cute_3_backward.query_tiles for the
+    query tiles each key block visits, `blocks_before` for the count its writer waits for):
+    what breaks the kernel's promises, as strings (none: an empty list). Every visited tile is
+    added to by blocks 0 .. last, each once; block n waits for exactly the blocks after it
+    (they add first), so it only waits on blocks launched before it (the grid launches the
+    last key block first); under causal masking a block whose first key the first query row
+    does not see (its first tile holds its diagonal) does not wait at that tile."""
+    block_m, _ = cute_3_backward.TILES[128]
+    n_blocks = -(-s_k // cute_3_backward.BLOCK_N)
+    adders, faults = collections.defaultdict(list), []
+    for n in range(n_blocks):
+        first, _, end = cute_3_backward.query_tiles(
+            n * cute_3_backward.BLOCK_N, s_q, s_k, block_m, causal
+        )
+        for tile in range(first, end):
+            adders[tile].append(n)
+        diagonal_first = causal and n * cute_3_backward.BLOCK_N > s_k - s_q
+        if diagonal_first and blocks_before(n, first, n_blocks, s_q, s_k, block_m, causal):
+            faults.append(f"block {n} waits at its first tile {first}")
+    for tile, blocks in adders.items():
+        if blocks != list(range(len(blocks))):
+            faults.append(f"tile {tile} is added to by blocks {blocks}")
+        for n in blocks:
+            later = sum(other > n for other in blocks)
+            waits = blocks_before(n, tile, n_blocks, s_q, s_k, block_m, causal)
+            if waits != later:
+                faults.append(f"block {n} at tile {tile} waits for {waits}, not {later}")
+    return faults
+
+
+@needs_cute
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cute_backward_dq_order(causal):
+    """dq_order_faults finds nothing for S_q and S_k of every relation (equal, one token,
+    primes, S_q above S_k: rows that see no key; below: the diagonal shifted), and finds the
+    faults of two wrong orders (negative controls): the first block first, and, under causal
+    masking, the count of an unmasked order."""
+    sizes = [(1, 1), (1, 300), (64, 64), (127, 131), (200, 70), (70, 200), (1000, 129),
+             (129, 1000), (4096, 4096), (333, 777)]  # fmt: skip
+    for s_q, s_k in sizes:
+        assert dq_order_faults(s_q, s_k, causal, cute_3_backward.blocks_before) == []
+
+    def first_block_first(n, *_):
+        return n
+
+    assert dq_order_faults(4096, 4096, causal, first_block_first)
+    if causal:
+
+        def unmasked(n, tile, n_blocks, s_q, s_k, block_m, causal):
+            return cute_3_backward.blocks_before(n, tile, n_blocks, s_q, s_k, block_m, False)
+
+        assert dq_order_faults(4096, 4096, causal, unmasked)
+
+
 @needs_cute
 def test_cute_routes_what_the_kernel_does_not_take():
     """kernel_takes (operands already validated): 16-bit D = 64 and 128 with 16-byte aligned
