@@ -259,12 +259,13 @@ def multiply(tiled_mma, acc, a_frag, b_frag):
 @cute.jit
 def consume_tiles(ring, state, first, end, visit, masked: cutlass.Constexpr):
     """The consumers' side of the ring for tiles [first, end), in the order the producer
-    loaded them: wait until a tile's stage is full, visit(stage, tile, masked=masked), release
-    the stage (every wgmma that read it has completed), move the state on; returns it (the
-    loop's state is its own, so the caller takes it back)."""
+    loaded them: wait until a tile's stage is full, visit(state, tile, masked=masked)
+    (state.index: the tile's stage; state.count: the tiles visited before it), release the
+    stage (every wgmma that read it has completed), move the state on; returns it (the loop's
+    state is its own, so the caller takes it back)."""
     for tile in cutlass.range(first, end, unroll=1):
         ring.consumer_wait(state)
-        visit(state.index, tile, masked=masked)
+        visit(state, tile, masked=masked)
         ring.consumer_release(state)
         state.advance()
     return state
@@ -316,9 +317,10 @@ def softmax_tile(
 
 
 @cute.jit
-def serial_tile(stage, tile, steps, masked: cutlass.Constexpr):
-    """Key tile `tile`, landed in ring stage `stage`, into this warpgroup's O, one piece after
-    the other: each product waited for before its result is read."""
+def serial_tile(state, tile, steps, masked: cutlass.Constexpr):
+    """Key tile `tile`, landed in the ring's stage state.index, into this warpgroup's O, one
+    piece after the other: each product waited for before its result is read."""
+    stage = state.index
     steps.scores(stage)
     warpgroup.wait_group(0)
     steps.softmax(tile, masked=masked)

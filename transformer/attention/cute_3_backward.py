@@ -104,6 +104,7 @@ from cute_2_wgmma import (
     allocate,
     as_a_operand,
     by_rows,
+    consume_tiles,
     issue,
     load_once,
     load_tiles,
@@ -275,13 +276,14 @@ def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_block
 
 @cute.jit
 def backward_query_tile(
-    stage, tile, parity, mmas, frags, views, scores_t, dp_t, dk, dv, dq, lse, delta,
+    state, tile, mmas, frags, views, scores_t, dp_t, dk, dv, dq, lse, delta,
     score_coords, first_key, s_q, s_k, scale_log2, half, mine, block_m: cutlass.Constexpr,
     masked: cutlass.Constexpr,
 ):  # fmt: skip
-    """Query tile `tile` of one head (its lse and delta rows given), landed in ring stage
-    `stage`, into this warpgroup's dK and dV, and this warpgroup's half of D of the tile's dQ
-    share staged for the writer."""
+    """Query tile `tile` of one head (its lse and delta rows given), landed in the ring's stage
+    state.index, into this warpgroup's dK and dV, and this warpgroup's half of D of the tile's
+    dQ share staged for the writer (dS^T through the buffers of the parity of state.count)."""
+    stage, parity = state.index, state.count % 2
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag, ds_frag, k_t_frag = frags
     ds_store, dq_staged = views
@@ -405,12 +407,8 @@ def consume(
             score_coords=score_coords, first_key=first_key, s_q=s_q, s_k=s_k,
             scale_log2=scale_log2, half=half, mine=mine, block_m=block_m,
         )  # fmt: skip
-        for part_first, part_end, masked in ((first, full, True), (full, end, False)):
-            for tile in cutlass.range(part_first, part_end, unroll=1):
-                ring.consumer_wait(state)
-                visit(state.index, tile, state.count % 2, masked=masked)
-                ring.consumer_release(state)
-                state.advance()
+        state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
+        state = consume_tiles(ring, state, full, end, visit, False)
 
     # dK and dV go into this warpgroup's halves of K's and V's buffers. V's half was read by
     # this warpgroup's dP^T only, K's by its S^T and by both consumers' dQ wgmmas: both have
