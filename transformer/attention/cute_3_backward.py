@@ -264,11 +264,12 @@ def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_block
                     seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
             for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
                 cute.arch.barrier(barrier_id=DQ_FULL + half, number_of_threads=CONSUMER_AND_WRITER)
-                if lane == 0:
-                    for i in cutlass.range_constexpr(boxes):
-                        box = half * boxes + i
-                        cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])
-            if lane == 0:
+                # The whole warp calls the copy: a TMA copy elects its lane itself (elect.sync
+                # over the warp, which hangs when one lane reaches it alone).
+                for i in cutlass.range_constexpr(boxes):
+                    box = half * boxes + i
+                    cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])
+            with cute.arch.elect_one():  # the same lane as the copies' (the lowest)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read
                 cute.arch.atomic_add(semaphore, cutlass.Int32(1), sem="release", scope="gpu")
