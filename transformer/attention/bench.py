@@ -97,14 +97,14 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # CuTe: step 1 (the default) and 2 with Triton's backward, step 3 with its own
+    try:  # CuTe: the default (step 3 on a Hopper GPU), steps 1 and 2 with Triton's backward
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
-        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
+        impls["cute.step1"] = lambda q, k, v, causal: cute_impl.attention_step1(
             q, k, v, causal=causal
         )
-        impls["cute.step3"] = lambda q, k, v, causal: cute_impl.attention_step3(
+        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
             q, k, v, causal=causal
         )
     except ImportError as error:

@@ -1,13 +1,12 @@
 """Attention in the CuTe DSL: the public functions, with triton_impl.py's signatures.
 
-`attention_forward` runs step 1's kernel (cute_1_tiled.py: a FlashAttention-2 forward on
-warp-level MMA, cp.async and ldmatrix) and `attention_backward` is Triton's
-(triton_impl.attention_backward), which reads the lse every forward writes (float32, natural
-log). Step 3 (cute_3_overlap.py: TMA, wgmma, warp specialisation and the FlashAttention-3
-schedule, and cute_3_backward.py: the backward in one pass over the keys, deterministic) is to
-become the default on a Hopper GPU once its tests have passed on one: its forward matched
-float32 on an H100 at 0.96x FA4's speed, but its test suite has not run on a GPU, and the
-one-pass backward has not run on one at all.
+On a Hopper GPU (the H100, the H200) `attention_forward` runs step 3's kernel
+(cute_3_overlap.py: TMA, wgmma, warp specialisation and the FlashAttention-3 schedule) and
+`attention_backward` step 3's backward (cute_3_backward.py: one pass over the keys, dQ summed
+in a fixed order); on any other GPU (from Ampere on) step 1's forward (cute_1_tiled.py: a
+FlashAttention-2 forward on warp-level MMA, cp.async and ldmatrix) and Triton's backward
+(triton_impl.attention_backward). Every forward writes the same lse (float32, natural log),
+which every backward reads.
 
 A kernel takes CUDA float16 and bfloat16 operands with a head dimension it is built for (D =
 64 or 128, each step's `TILES`) whose bases lie on 16-byte boundaries and whose batch, sequence
@@ -17,9 +16,9 @@ misaligned or expanded views) runs Triton's kernels, by an explicit check (`kern
 `backward_kernel_takes`). Every function validates every operand (reference.check_operands)
 before any launch.
 
-`attention_forward_step2` (cute_2_wgmma.py: TMA and wgmma, no overlap),
-`attention_forward_step3` and `attention_backward_cute` call one step, for the tests and
-bench.py; steps 2 and 3 need a Hopper GPU.
+`attention_forward_step1`, `attention_forward_step2` (cute_2_wgmma.py: TMA and wgmma, no
+overlap), `attention_forward_step3` and `attention_backward_cute` call one step whatever the
+GPU, for the tests and bench.py; steps 2 and 3 need a Hopper GPU.
 """
 
 import functools
@@ -55,11 +54,21 @@ def aligned(t):
     return t.data_ptr() % ALIGN_BYTES == 0 and all(s % per_vector == 0 for s in t.stride()[:3])
 
 
-# The CuTe steps' forward kernels by number: step 1 (warp-level MMA) is the default; steps 2
-# (TMA and wgmma) and 3 (the FlashAttention-3 schedule), Hopper only, run where asked for
-# (`attention_forward_step2`, `attention_forward_step3`). Step 3's backward is
+# The CuTe steps' forward kernels by number: step 1 (warp-level MMA, any GPU from Ampere on),
+# 2 (TMA and wgmma) and 3 (the FlashAttention-3 schedule), Hopper only. Step 3's backward is
 # cute_3_backward.py (`attention_backward_cute`).
 STEPS = {1: cute_1_tiled, 2: cute_2_wgmma, 3: cute_3_overlap}
+
+
+@functools.cache
+def hopper(device_index):
+    """Whether GPU `device_index` is a Hopper (compute capability 9.0: wgmma, TMA, setmaxnreg),
+    where step 3 is the default. Cached: the query costs microseconds a call."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def on_hopper(q):
+    return q.is_cuda and hopper(q.device.index)
 
 
 def kernel_takes(q, k, v, o, step=1):
@@ -164,9 +173,9 @@ def ptx_of(dtype, head_dim, causal, step=1, backward=False):
 
 
 def attention_forward(q, k, v, causal, scale, o, lse):
-    """The forward on step 1's kernel (cute_1_tiled.py: warp-level MMA; any GPU from Ampere
-    on), until step 3's has passed its tests on a GPU (module docstring)."""
-    return run_forward(q, k, v, causal, scale, o, lse, step=1)
+    """The forward on step 3's kernel on a Hopper GPU, on step 1's elsewhere (module
+    docstring)."""
+    return run_forward(q, k, v, causal, scale, o, lse, step=3 if on_hopper(q) else 1)
 
 
 def run_forward(q, k, v, causal, scale, o, lse, step):
@@ -190,10 +199,15 @@ def run_forward(q, k, v, causal, scale, o, lse, step):
     return o, lse
 
 
+def attention_forward_step1(q, k, v, causal, scale, o, lse):
+    """The forward on step 1's kernel (cute_1_tiled.py: warp-level MMA; any GPU from Ampere
+    on), with attention_forward's validation and routing."""
+    return run_forward(q, k, v, causal, scale, o, lse, step=1)
+
+
 def attention_forward_step2(q, k, v, causal, scale, o, lse):
     """The forward on step 2's kernel (cute_2_wgmma.py: TMA, wgmma, warp specialisation; a
-    Hopper GPU), with attention_forward's validation and routing. Not yet the default: the
-    public forward switches to it once it passes its tests on the GPU."""
+    Hopper GPU), with attention_forward's validation and routing."""
     return run_forward(q, k, v, causal, scale, o, lse, step=2)
 
 
@@ -204,9 +218,10 @@ def attention_forward_step3(q, k, v, causal, scale, o, lse):
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    """Triton's backward (triton_impl.attention_backward, which validates every operand) until
-    step 3's has passed its tests on a GPU (module docstring)."""
-    return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
+    """Step 3's backward on a Hopper GPU (`attention_backward_cute`), Triton's elsewhere
+    (triton_impl.attention_backward); both validate every operand first."""
+    backward = attention_backward_cute if on_hopper(q) else triton_impl.attention_backward
+    return backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
 
 
 def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
@@ -245,8 +260,10 @@ def run_backward(kernel, q, k, v, o, lse, do, scale, dq, dk, dv):
 AttentionFunction, attention, _forward_op = model_plumbing(
     "cute", attention_forward, attention_backward
 )
-# Steps 2 and 3 in a model's place (bench.py times them beside step 1): step 2 behind
+# Each step in a model's place (bench.py times them beside the default): steps 1 and 2 behind
 # Triton's backward, step 3 with its own.
+_, attention_step1, _ = model_plumbing("cute_step1", attention_forward_step1,
+                                       triton_impl.attention_backward)  # fmt: skip
 _, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2,
                                        triton_impl.attention_backward)  # fmt: skip
 _, attention_step3, _ = model_plumbing("cute_step3", attention_forward_step3,

@@ -72,8 +72,14 @@ else:
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
-if cute_impl is not None:  # steps 2 and 3, called explicitly (neither is yet the default):
-    # step 2's forward, step 3's forward and backward.
+if cute_impl is not None:  # each step called explicitly ("cute", the default, is step 3 on a
+    # Hopper GPU): step 1's forward with Triton's backward, step 2's forward, step 3's forward
+    # and backward.
+    IMPLS["cute step 1"] = types.SimpleNamespace(
+        attention_forward=cute_impl.attention_forward_step1,
+        attention_backward=triton_impl.attention_backward,
+        attention=cute_impl.attention_step1,
+    )
     IMPLS["cute step 2"] = types.SimpleNamespace(
         attention_forward=cute_impl.attention_forward_step2
     )
@@ -85,9 +91,10 @@ if cute_impl is not None:  # steps 2 and 3, called explicitly (neither is yet th
 needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
 # Implementations a test launches: CuTe's only on a GPU (test_cute_builds_for_hopper checks its
-# build on the CPU); implementations a test only validates with: CuTe's wherever it imports.
+# build on the CPU), the default (step 3 on the H200) and step 1 (the default elsewhere);
+# implementations a test only validates with: CuTe's wherever it imports.
 LAUNCHED = ["torch", "triton", pytest.param("cute", marks=[needs_cute, gpu_only]),
-            pytest.param("cute step 3", marks=[needs_cute, gpu_only])]  # fmt: skip
+            pytest.param("cute step 1", marks=[needs_cute, gpu_only])]  # fmt: skip
 VALIDATED = ["torch", "triton", pytest.param("cute", marks=needs_cute)]
 U32, EX2 = unit_roundoff(torch.float32), APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
 LN2 = math.log(2.0)
@@ -1101,7 +1108,7 @@ def check_cute_backward(q, k, v, do, causal, scale=None, grads=None):
 
 
 # IMPLS's names of the steps (step 3's: its forward and its backward).
-CUTE_IMPLS = {1: "cute", 2: "cute step 2", 3: "cute step 3"}
+CUTE_IMPLS = {1: "cute step 1", 2: "cute step 2", 3: "cute step 3"}
 
 
 # (B, S_q, S_k, H, H_kv): one token, a decode step over a cache, primes, S_q above and below
