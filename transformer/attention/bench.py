@@ -97,16 +97,13 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # CuTe: the default (step 3 on a Hopper GPU), steps 1 and 2 with Triton's backward
+    try:  # CuTe: the default (step 3's forward on a Hopper GPU with Triton's backward), steps 1
+        # and 2 with Triton's backward, step 3 with its own
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)
-        impls["cute.step1"] = lambda q, k, v, causal: cute_impl.attention_step1(
-            q, k, v, causal=causal
-        )
-        impls["cute.step2"] = lambda q, k, v, causal: cute_impl.attention_step2(
-            q, k, v, causal=causal
-        )
+        for step in (1, 2, 3):
+            impls[f"cute.step{step}"] = getattr(cute_impl, f"attention_step{step}")
     except ImportError as error:
         print(f"cute is not measured: {error}")
     try:

@@ -72,9 +72,9 @@ else:
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
-if cute_impl is not None:  # each step called explicitly ("cute", the default, is step 3 on a
-    # Hopper GPU): step 1's forward with Triton's backward, step 2's forward, step 3's forward
-    # and backward.
+if cute_impl is not None:  # each step called explicitly ("cute", the default, is step 3's
+    # forward with Triton's backward on a Hopper GPU): step 1's forward with Triton's backward,
+    # step 2's forward, step 3's forward and backward.
     IMPLS["cute step 1"] = types.SimpleNamespace(
         attention_forward=cute_impl.attention_forward_step1,
         attention_backward=triton_impl.attention_backward,
@@ -91,10 +91,13 @@ if cute_impl is not None:  # each step called explicitly ("cute", the default, i
 needs_cute = pytest.mark.skipif(cute_impl is None, reason=str(CUTE_MISSING))
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="launching a CuTe kernel needs a CUDA GPU")
 # Implementations a test launches: CuTe's only on a GPU (test_cute_builds_for_hopper checks its
-# build on the CPU), the default (step 3 on the H200) and step 1 (the default elsewhere);
-# implementations a test only validates with: CuTe's wherever it imports.
-LAUNCHED = ["torch", "triton", pytest.param("cute", marks=[needs_cute, gpu_only]),
-            pytest.param("cute step 1", marks=[needs_cute, gpu_only])]  # fmt: skip
+# build on the CPU): the default (step 3's forward on the H200), step 1 (the default forward
+# elsewhere) and step 3 with its own backward; implementations a test only validates with:
+# CuTe's wherever it imports.
+LAUNCHED = ["torch", "triton"] + [
+    pytest.param(name, marks=[needs_cute, gpu_only])
+    for name in ("cute", "cute step 1", "cute step 3")
+]
 VALIDATED = ["torch", "triton", pytest.param("cute", marks=needs_cute)]
 U32, EX2 = unit_roundoff(torch.float32), APPROX_RELATIVE_ERROR["ex2.approx.ftz.f32"]
 LN2 = math.log(2.0)
