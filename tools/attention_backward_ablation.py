@@ -1,0 +1,140 @@
+"""What each piece of the CuTe attention backward costs, on a GPU (Hopper).
+
+    python3 tools/attention_backward_ablation.py [--quick]
+
+The one-pass backward (transformer/attention/cute_3_backward.py) ran at about 6 us a tile pair
+on an H100 against 1.4 us of tensor-core work (the folder's README, tuning log, 2026-12-06).
+This tool builds variants of it that each leave a piece out, times them side by side with the
+whole kernel and Triton's backward, and prints the table: the time a variant saves is what its
+piece costs. The variants compute wrong gradients (that is the point); only the first is
+correct. Each is the kernel's source with exact text replaced (a replacement that no longer
+matches the source stops the tool), imported in its own process in place of cute_3_backward.
+
+  whole         the kernel as it is
+  unordered     the dQ adds in any order: no semaphores, the writer waits only for its reads
+  no adds       unordered, and the writer issues no TMA reduce-add
+  no handover   the consumers do not stage dQ for the writer, which does nothing
+  no dQ         no handover, and no dS^T store, DS_READY barrier or dQ wgmma either
+  no stats      the whole kernel with lse and delta not loaded (constants instead)
+
+bf16, 4 x 4096 x 16 x 128 (half the headline's heads), causal and not; --quick: non-causal only.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ATTENTION = Path(__file__).resolve().parent.parent / "transformer" / "attention"
+BATCH, SEQ, HEADS, HEAD_DIM = 4, 4096, 16, 128
+
+UNORDERED = [
+    ("            if lane == 0:\n                before = blocks_before(",
+     "            if cutlass.const_expr(False):\n                before = blocks_before("),
+    ("                cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read\n"
+     "                cute.arch.atomic_add(semaphore, cutlass.Int32(1), "
+     'sem="release", scope="gpu")',
+     "                cute.arch.cp_async_bulk_wait_group(0, read=True)"),
+]  # fmt: skip
+NO_ADDS = [
+    ("                    cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])",
+     "                    pass"),
+]  # fmt: skip
+NO_HANDOVER = [
+    ("        for tile in cutlass.range(first, end, unroll=1):\n"
+     "            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):\n"
+     "                cute.arch.barrier_arrive(",
+     "        for tile in cutlass.range(first, first, unroll=1):\n"
+     "            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):\n"
+     "                cute.arch.barrier_arrive("),
+    ("    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)\n"
+     "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
+     '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n'
+     "    cute.arch.barrier_arrive(barrier_id=DQ_FULL + half, "
+     "number_of_threads=CONSUMER_AND_WRITER)",
+     ""),
+]  # fmt: skip
+NO_DQ = [
+    ("    cute.autovec_copy(ds_t, mma_kq.get_slice(mine).partition_C(ds_store[None, None, slot]))\n"
+     '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by the wgmmas (async proxy)\n'
+     "    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)\n",
+     ""),
+    ("        issue(mma_dq, dq, ds_frag[None, None, None, "
+     "parity * CONSUMER_WARPGROUPS + key_half],\n"
+     "              k_t_frag[None, None, None, key_half],\n"
+     "              overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip",
+     "        pass"),
+]  # fmt: skip
+NO_STATS = [("            value = values[query]", "            value = cutlass.Float32(1.0)")]
+VARIANTS = {
+    "whole": [],
+    "unordered": UNORDERED,
+    "no adds": UNORDERED + NO_ADDS,
+    "no handover": NO_HANDOVER,
+    "no dQ": NO_HANDOVER + NO_DQ,
+    "no stats": NO_STATS,
+}
+
+# Run in a child process with the variant's cute_3_backward first on sys.path: prints one line
+# "name causal ms" per timing.
+CHILD = """
+import sys, torch, triton
+import cute_impl, triton_impl
+name, causals = sys.argv[1], [c == "1" for c in sys.argv[2].split(",")]
+b, s, h, d = {shape}
+for causal in causals:
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
+    cute_impl.attention_forward_step3(q, k, v, causal, None, o, lse)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    backward = (triton_impl.attention_backward if name == "triton"
+                else cute_impl.attention_backward_cute)
+    ms = triton.testing.do_bench(
+        lambda: backward(q, k, v, o, lse, do, causal, None, *grads), warmup=5, rep=50,
+        return_mode="median")
+    print("TIMING", name, int(causal), ms, flush=True)
+"""
+
+
+def patched(source, replacements):
+    for old, new in replacements:
+        if source.count(old) != 1:
+            raise SystemExit(f"the kernel's source no longer holds exactly one of:\n{old}")
+        source = source.replace(old, new)
+    return source
+
+
+def main():
+    causals = "0" if "--quick" in sys.argv else "0,1"
+    source = (ATTENTION / "cute_3_backward.py").read_text()
+    child = CHILD.format(shape=(BATCH, SEQ, HEADS, HEAD_DIM))
+    times = {}
+    for name in ["triton", *VARIANTS]:
+        with tempfile.TemporaryDirectory() as variant_dir:
+            if name != "triton":
+                Path(variant_dir, "cute_3_backward.py").write_text(patched(source, VARIANTS[name]))
+            path = os.pathsep.join([variant_dir, str(ATTENTION), os.environ.get("PYTHONPATH", "")])
+            run = subprocess.run(
+                [sys.executable, "-c", child, name, causals], capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": path}, timeout=300,
+            )  # fmt: skip
+        for line in run.stdout.splitlines():
+            if line.startswith("TIMING "):
+                _, _, causal, ms = line.rsplit(" ", 3)
+                times[name, causal] = float(ms)
+        if run.returncode != 0:
+            print(f"{name}: failed\n{run.stderr[-2000:]}")
+    flops = 2.5 * 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM
+    print(f"backward alone, bf16 {BATCH} x {SEQ} x {HEADS} x {HEAD_DIM}, ms (TFLOP/s counted)")
+    for name in ["triton", *VARIANTS]:
+        cells = [
+            f"{times[name, c]:.3f} ({flops / (2 if c == '1' else 1) / times[name, c] / 1e9:.0f})"
+            for c in causals.split(",")
+            if (name, c) in times
+        ]
+        print(f"  {name:12s} " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
