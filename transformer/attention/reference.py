@@ -8,7 +8,9 @@ per batch b and query head h, in the (B, S, H, D) layout: q (B, S_q, H, D), k an
 and value head h // (H / H_kv)). Causal masking is bottom-right aligned, as flash-attention
 does: query i sees key j when j <= i + S_k - S_q, so the last query sees every key. A query that
 sees no key (causal with S_q > S_k) has O = 0 and lse = -inf: torch's scaled_dot_product_attention
-gives the same 0. A NaN anywhere in a row's scores makes that row's O and lse NaN.
+gives the same 0. A NaN anywhere in a row's scores makes that row's O and lse NaN; a NaN in V
+reaches the rows that see its key (here only those; README.md, "NaN", says why a kernel's
+other rows may get it too).
 
 The backward (README.md derives it), with D_i = sum_d dO_id O_id:
 

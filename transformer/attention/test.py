@@ -361,7 +361,8 @@ def test_repeatability(impl):
 @pytest.mark.parametrize("impl", LAUNCHED)
 def test_special_values(impl):
     """Scores of 1e4 do not overflow (float32 within the bound); a NaN in one key reaches every
-    row that sees it and only those; a query that sees no key has O = 0 and lse = -inf; scores
+    row that sees it and only those; a NaN in one value reaches every row that sees its key, in
+    that column; a query that sees no key has O = 0 and lse = -inf; scores
     all near -120 give finite gradients."""
     q, k, v, do = operands(1, 6, 6, 2, 2, 16, torch.bfloat16)
     check_forward(impl, q * 25, k * 25, v, False)  # |scores| up to about 1e4 / sqrt(16)
@@ -371,6 +372,13 @@ def test_special_values(impl):
     assert (
         o[0, :3, 0].isfinite().all() and o[0, 3:, 0].isnan().all() and o[0, :, 1].isfinite().all()
     )
+    # A NaN in V reaches every row that sees its key, in its column only (README.md, "NaN").
+    v_nan = v.clone()
+    v_nan[0, 3, 0, 0] = math.nan
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 6, device=q.device)
+    IMPLS[impl].attention_forward(q, k, v_nan, True, None, o, lse)
+    assert o[0, 3:, 0, 0].isnan().all() and o[0, 3:, 0, 1:].isfinite().all()
+    assert o[0, :, 1].isfinite().all() and lse.isfinite().all()
     o, lse = check_forward(impl, q, k[:, :2], v[:, :2], True)  # S_q = 6 > S_k = 2
     assert (o[0, :4] == 0).all() and (lse[0, :, :4] == -math.inf).all()
     # Every score near -120 (lse too): exp(-lse) overflows float32, so a key past S_k (23 is
