@@ -555,6 +555,9 @@ def test_one_pass_variance_is_rejected():
 
 def backward_inputs(dtype, m=64, n=1024):
     x, weight, _ = control_rows(dtype, m, n)
+    # The planted term g_10 = dy_10 w_10 must be large: with w_10 random (1 + 0.5 z), a weight
+    # near 0 let the control that drops it fall inside the bound (about 1 run in 150).
+    weight[10] = 1.0
     _, mean, rstd = reference.layernorm_forward(x, weight, None, CONTROL_EPS)
     dy = random_rows(m, n, dtype).cpu()
     dy[:, 10] = 3.0
