@@ -15,12 +15,12 @@ matches the source stops the tool), imported in its own process in place of cute
   no adds       unordered, and the writer issues no TMA reduce-add
   no handover   the consumers do not stage dQ for the writer, which does nothing
   no dQ         no handover, and no dS^T store, DS_READY barrier or dQ wgmma either
-  no stats      the whole kernel with lse and delta not loaded (constants instead)
+  no stats      the whole kernel with lse and delta not loaded (constants staged instead)
+  no meeting    the consumers do not meet on DS_READY a tile (dQ reads whichever dS^T is there)
 
 bf16, 4 x 4096 x 16 x 128 (half the headline's heads), causal and not; --quick: non-causal only.
 """
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -66,7 +66,15 @@ NO_DQ = [
      "              overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip",
      "        pass"),
 ]  # fmt: skip
-NO_STATS = [("            value = values[query]", "            value = cutlass.Float32(1.0)")]
+NO_STATS = [
+    ("    return lse[b, h, query], delta[b, h, query]",
+     "    return cutlass.Float32(1.0), cutlass.Float32(0.0)"),
+]  # fmt: skip
+NO_MEETING = [
+    ("    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)\n"
+     "    # dQ share = dS K",
+     "    # dQ share = dS K"),
+]  # fmt: skip
 VARIANTS = {
     "whole": [],
     "unordered": UNORDERED,
@@ -74,14 +82,20 @@ VARIANTS = {
     "no handover": NO_HANDOVER,
     "no dQ": NO_HANDOVER + NO_DQ,
     "no stats": NO_STATS,
+    "no meeting": NO_MEETING,
 }
 
-# Run in a child process with the variant's cute_3_backward first on sys.path: prints one line
-# "name causal ms" per timing.
+# Run in a child process with the variant's cute_3_backward first on sys.path (put there by the
+# child itself: `python -c` puts the working directory ahead of PYTHONPATH, and the tool runs in
+# the attention folder, so every variant once timed the kernel as it is): prints the kernel's
+# file, then one line "TIMING name causal ms" per timing.
 CHILD = """
-import sys, torch, triton
-import cute_impl, triton_impl
+import sys
+sys.path[:0] = sys.argv[3:]  # the variant's folder first: ahead of the working directory too
+import torch, triton
+import cute_3_backward, cute_impl, triton_impl
 name, causals = sys.argv[1], [c == "1" for c in sys.argv[2].split(",")]
+print("KERNEL", cute_3_backward.__file__, flush=True)
 b, s, h, d = {shape}
 for causal in causals:
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -112,13 +126,17 @@ def main():
     times = {}
     for name in ["triton", *VARIANTS]:
         with tempfile.TemporaryDirectory() as variant_dir:
+            folders = [str(ATTENTION)]
             if name != "triton":
                 Path(variant_dir, "cute_3_backward.py").write_text(patched(source, VARIANTS[name]))
-            path = os.pathsep.join([variant_dir, str(ATTENTION), os.environ.get("PYTHONPATH", "")])
-            run = subprocess.run(
-                [sys.executable, "-c", child, name, causals], capture_output=True, text=True,
-                env={**os.environ, "PYTHONPATH": path}, timeout=300,
-            )  # fmt: skip
+                folders.insert(0, variant_dir)
+            run = subprocess.run([sys.executable, "-c", child, name, causals, *folders],
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        kernel = next((line.split(" ", 1)[1] for line in run.stdout.splitlines()
+                       if line.startswith("KERNEL ")), "")  # fmt: skip
+        if not kernel.startswith(folders[0]):
+            raise SystemExit(f"{name}: timed {kernel or 'no kernel'}, not {folders[0]}\n"
+                             f"{run.stderr[-2000:]}")  # fmt: skip
         for line in run.stdout.splitlines():
             if line.startswith("TIMING "):
                 _, _, causal, ms = line.rsplit(" ", 3)
