@@ -1,6 +1,6 @@
 """What each piece of the CuTe attention backward costs, on a GPU (Hopper).
 
-    python3 tools/attention_backward_ablation.py [--quick]
+    python3 tools/attention_backward_ablation.py [--quick] [--d64] [VARIANT ...]
 
 The one-pass backward (transformer/attention/cute_3_backward.py) ran at about 6 us a tile pair
 on an H100 against 1.4 us of tensor-core work (the folder's README, tuning log, 2026-12-06).
@@ -18,7 +18,9 @@ matches the source stops the tool), imported in its own process in place of cute
   no stats      the whole kernel with lse and delta not loaded (constants staged instead)
   no meeting    the consumers do not meet on DS_READY a tile (dQ reads whichever dS^T is there)
 
-bf16, 4 x 4096 x 16 x 128 (half the headline's heads), causal and not; --quick: non-causal only.
+bf16, 4 x 4096 x 16 x 128 (half the headline's heads; --d64: 4 x 4096 x 32 x 64), causal and
+not; --quick: non-causal only;
+VARIANT names: those only (and Triton's), e.g. `whole` to time the kernel against Triton's.
 """
 
 import subprocess
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ATTENTION = Path(__file__).resolve().parent.parent / "transformer" / "attention"
-BATCH, SEQ, HEADS, HEAD_DIM = 4, 4096, 16, 128
+SHAPES = {128: (4, 4096, 16, 128), 64: (4, 4096, 32, 64)}  # B, S, H, D: 0.7 TFLOP each
 
 UNORDERED = [
     ("            if lane == 0:\n                before = blocks_before(",
@@ -121,10 +123,15 @@ def patched(source, replacements):
 
 def main():
     causals = "0" if "--quick" in sys.argv else "0,1"
+    batch, seq, heads, head_dim = SHAPES[64 if "--d64" in sys.argv else 128]
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or list(VARIANTS)
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"no variant {sorted(unknown)}; the variants: {list(VARIANTS)}")
     source = (ATTENTION / "cute_3_backward.py").read_text()
-    child = CHILD.format(shape=(BATCH, SEQ, HEADS, HEAD_DIM))
+    child = CHILD.format(shape=(batch, seq, heads, head_dim))
     times = {}
-    for name in ["triton", *VARIANTS]:
+    for name in ["triton", *names]:
         with tempfile.TemporaryDirectory() as variant_dir:
             folders = [str(ATTENTION)]
             if name != "triton":
@@ -143,9 +150,9 @@ def main():
                 times[name, causal] = float(ms)
         if run.returncode != 0:
             print(f"{name}: failed\n{run.stderr[-2000:]}")
-    flops = 2.5 * 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM
-    print(f"backward alone, bf16 {BATCH} x {SEQ} x {HEADS} x {HEAD_DIM}, ms (TFLOP/s counted)")
-    for name in ["triton", *VARIANTS]:
+    flops = 2.5 * 4 * batch * heads * seq * seq * head_dim
+    print(f"backward alone, bf16 {batch} x {seq} x {heads} x {head_dim}, ms (TFLOP/s counted)")
+    for name in ["triton", *names]:
         cells = [
             f"{times[name, c]:.3f} ({flops / (2 if c == '1' else 1) / times[name, c] / 1e9:.0f})"
             for c in causals.split(",")

@@ -97,8 +97,8 @@ def implementations():
         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "fa2": sdpa(SDPBackend.FLASH_ATTENTION),
     }
-    try:  # CuTe: the default (step 3's forward on a Hopper GPU with Triton's backward), steps 1
-        # and 2 with Triton's backward, step 3 with its own
+    try:  # CuTe: the default (on a Hopper GPU step 3's forward, and its backward at D = 128),
+        # steps 1 and 2 with Triton's backward, step 3 with its own
         import cute_impl
 
         impls["cute"] = lambda q, k, v, causal: cute_impl.attention(q, k, v, causal=causal)

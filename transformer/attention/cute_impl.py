@@ -3,12 +3,12 @@
 On a Hopper GPU (the H100, the H200) `attention_forward` runs step 3's kernel
 (cute_3_overlap.py: TMA, wgmma, warp specialisation and the FlashAttention-3 schedule), on any
 other GPU (from Ampere on) step 1's (cute_1_tiled.py: a FlashAttention-2 forward on warp-level
-MMA, cp.async and ldmatrix). `attention_backward` is Triton's (triton_impl.attention_backward)
-on every GPU: step 3's own backward (cute_3_backward.py: one pass over the keys, dQ summed in a
-fixed order) passes every test but, measured side by side on an H100, takes twice as long
-(README.md, "Tuning log"), so it runs only where asked for (`attention_backward_cute`,
-`attention_step3`). Every forward writes the same lse (float32, natural log), which every
-backward reads.
+MMA, cp.async and ldmatrix). `attention_backward` runs step 3's own backward
+(cute_3_backward.py: one pass over the keys, dQ summed in a fixed order) on a Hopper GPU at the
+head dimensions where it is the faster of the two (`CUTE_BACKWARD_HEAD_DIMS`, measured side by
+side with Triton's on an H100: README.md, "Tuning log"), Triton's (triton_impl.
+attention_backward) everywhere else. Every forward writes the same lse (float32, natural log),
+which every backward reads.
 
 A kernel takes CUDA float16 and bfloat16 operands with a head dimension it is built for (D =
 64 or 128, each step's `TILES`) whose bases lie on 16-byte boundaries and whose batch, sequence
@@ -219,9 +219,18 @@ def attention_forward_step3(q, k, v, causal, scale, o, lse):
     return run_forward(q, k, v, causal, scale, o, lse, step=3)
 
 
+# Where step 3's backward beats Triton's, the backward alone at 4 x 4096 x 16 x 128 and 4 x 4096
+# x 32 x 64, bf16, on an H100 (2026-12-06), ms: D = 128 2.91 against 3.07, causal 1.55 against
+# 1.68; D = 64 4.01 against 3.60, causal 2.05 against 2.06.
+CUTE_BACKWARD_HEAD_DIMS = (128,)
+
+
 def attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
-    """Triton's backward (triton_impl.attention_backward, which validates every operand): the
-    faster of the course's two deterministic backwards (module docstring)."""
+    """The faster of the course's two deterministic backwards (module docstring): step 3's on a
+    Hopper GPU at a head dimension in CUTE_BACKWARD_HEAD_DIMS, Triton's otherwise; each
+    validates every operand first."""
+    if q.dim() == 4 and q.shape[3] in CUTE_BACKWARD_HEAD_DIMS and on_hopper(q):
+        return attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
     return triton_impl.attention_backward(q, k, v, o, lse, do, causal, scale, dq, dk, dv)
 
 
@@ -261,8 +270,8 @@ def run_backward(kernel, q, k, v, o, lse, do, scale, dq, dk, dv):
 AttentionFunction, attention, _forward_op = model_plumbing(
     "cute", attention_forward, attention_backward
 )
-# Each step in a model's place (bench.py times them beside the default: step 3's forward with
-# Triton's backward on Hopper): steps 1 and 2 behind Triton's backward, step 3 with its own.
+# Each step in a model's place (bench.py times them beside the default: step 3's forward and,
+# at D = 128, its backward on Hopper): steps 1 and 2 behind Triton's backward, step 3 with its own.
 _, attention_step1, _ = model_plumbing("cute_step1", attention_forward_step1,
                                        triton_impl.attention_backward)  # fmt: skip
 _, attention_step2, _ = model_plumbing("cute_step2", attention_forward_step2,

@@ -73,8 +73,9 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS = {"torch": torch_impl, "triton": triton_impl, "cute": cute_impl}
 if cute_impl is not None:  # each step called explicitly ("cute", the default, is step 3's
-    # forward with Triton's backward on a Hopper GPU): step 1's forward with Triton's backward,
-    # step 2's forward, step 3's forward and backward.
+    # forward on a Hopper GPU, with step 3's backward at D = 128 and Triton's at other head
+    # dimensions): step 1's forward with Triton's backward, step 2's forward, step 3's forward
+    # and backward.
     IMPLS["cute step 1"] = types.SimpleNamespace(
         attention_forward=cute_impl.attention_forward_step1,
         attention_backward=triton_impl.attention_backward,
