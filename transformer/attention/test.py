@@ -1086,6 +1086,27 @@ def test_cute_routes_what_the_kernel_does_not_take():
 
 
 @needs_cute
+def test_cute_default_backward_by_head_dim(monkeypatch):
+    """The default backward runs step 3's on a Hopper GPU at the head dimensions where it was
+    measured the faster (CUTE_BACKWARD_HEAD_DIMS: 128), Triton's at the others and on other
+    GPUs (Hopper faked, both backwards replaced by recorders); a malformed q reaches the
+    validation, not an IndexError."""
+    called = []
+    monkeypatch.setattr(cute_impl, "attention_backward_cute", lambda *a: called.append("cute"))
+    monkeypatch.setattr(cute_impl.triton_impl, "attention_backward",
+                        lambda *a: called.append("triton"))  # fmt: skip
+    for hopper, head_dim, expected in [(True, 128, "cute"), (True, 64, "triton"),
+                                       (False, 128, "triton")]:  # fmt: skip
+        monkeypatch.setattr(cute_impl, "on_hopper", lambda q, hopper=hopper: hopper)
+        q = torch.empty(1, 4, 2, head_dim, dtype=torch.bfloat16)
+        cute_impl.attention_backward(q, q, q, q, None, q, False, None, q, q, q)
+        assert called.pop() == expected, (hopper, head_dim)
+    flat = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    cute_impl.attention_backward(flat, flat, flat, flat, None, flat, False, None, flat, flat, flat)
+    assert called.pop() == "triton"
+
+
+@needs_cute
 @pytest.mark.skipif(ON_GPU, reason="the CPU refusal; the GPU runs the kernel")
 @pytest.mark.parametrize("build", CUTE_BUILDS)
 def test_cute_refuses_cpu_tensors(build):
