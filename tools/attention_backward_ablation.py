@@ -2,11 +2,11 @@
 
     python3 tools/attention_backward_ablation.py [--quick] [--d64] [VARIANT ...]
 
-The one-pass backward (transformer/attention/cute_3_backward.py) ran at about 6 us a tile pair
-on an H100 against 1.4 us of tensor-core work (the folder's README, tuning log, 2026-12-06).
-This tool builds variants of it that each leave a piece out, times them side by side with the
-whole kernel and Triton's backward, and prints the table: the time a variant saves is what its
-piece costs. The variants compute wrong gradients (that is the point); only the first is
+The one-pass backward (transformer/attention/cute_3_backward.py) runs its tiles at about half
+the tensor cores' rate on an H100 (the folder's README, tuning log, 2026-12-06). This tool
+builds variants of it that each leave a piece out, times them side by side with the whole
+kernel and Triton's backward, and prints the table: the time a variant saves is what its piece
+costs. The variants compute wrong gradients (that is the point); only the first is
 correct. Each is the kernel's source with exact text replaced (a replacement that no longer
 matches the source stops the tool), imported in its own process in place of cute_3_backward.
 

@@ -399,6 +399,7 @@ def consume(
         mma_dq.make_fragment_B(dq_thread.partition_B(k_t)),
     )  # fmt: skip
     boxes = d_half // DQ_BOX
+    stats = stats_smem[None, None, half]  # this warpgroup's own: (STATS, parity)
     views = (
         # dS^T's (keys, queries) onto the dS buffers' (queries, keys, slot).
         cute.composition(
@@ -412,7 +413,7 @@ def consume(
             cute.make_layout((block_m, (DQ_BOX, boxes), CONSUMER_WARPGROUPS),
                              stride=(1, (block_m, block_m * DQ_BOX), block_m * DQ_BOX * boxes)),
         )[None, None, half],
-        stats_smem[None, None, half],  # this warpgroup's own: (STATS, parity)
+        stats,
     )  # fmt: skip
     score_shape = kq_thread.partition_shape_C((WGMMA_M, block_m))
     scores_t = cute.make_rmem_tensor(score_shape, cutlass.Float32)
@@ -431,8 +432,8 @@ def consume(
 
     # The first tile's statistics (its parity is 0), seen by the warpgroup after the barrier.
     first_h, last_h = g * group, g * group + group - 1
-    stage_stats(fetch_stats(lse, delta, b, first_h, first, s_q, mine, block_m), views[2], 0,
-                first, s_q, mine, block_m)  # fmt: skip
+    stage_stats(fetch_stats(lse, delta, b, first_h, first, s_q, mine, block_m), stats, 0, first,
+                s_q, mine, block_m)  # fmt: skip
     cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)
     once_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     once_pipe.consumer_wait(once_state)  # K and V have landed
