@@ -11,6 +11,9 @@ correct. Each is the kernel's source with exact text replaced (a replacement tha
 matches the source stops the tool), imported in its own process in place of cute_3_backward.
 
   whole         the kernel as it is
+  from tile 0   without a mask every key block walks the query tiles from tile 0, all in one
+                order from the last block down (the kernel before 2026-12-06, evening: block
+                n waits for the n_blocks - 1 - n blocks before it, one after another)
   unordered     the dQ adds in any order: no semaphores, the writer waits only for its reads
   no adds       unordered, and the writer issues no TMA reduce-add
   no handover   the consumers do not stage dQ for the writer, which does nothing
@@ -32,24 +35,28 @@ ATTENTION = Path(__file__).resolve().parent.parent / "transformer" / "attention"
 SHAPES = {128: (4, 4096, 16, 128), 64: (4, 4096, 32, 64)}  # B, S, H, D: 0.7 TFLOP each
 
 UNORDERED = [
-    ("            if lane == 0:\n                before = blocks_before(",
-     "            if cutlass.const_expr(False):\n                before = blocks_before("),
-    ("                cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read\n"
-     "                cute.arch.atomic_add(semaphore, cutlass.Int32(1), "
+    ("    if lane == 0:\n        before = blocks_before(",
+     "    if cutlass.const_expr(False):\n        before = blocks_before("),
+    ("        cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read\n"
+     "        cute.arch.atomic_add(semaphore, cutlass.Int32(1), "
      'sem="release", scope="gpu")',
-     "                cute.arch.cp_async_bulk_wait_group(0, read=True)"),
+     "        cute.arch.cp_async_bulk_wait_group(0, read=True)"),
+]  # fmt: skip
+FROM_TILE_0 = [
+    ("        start = n_block * end // n_blocks", "        start = n_block * 0"),
+    ("    elif cutlass.const_expr(not wrapped):", "    elif cutlass.const_expr(False):"),
 ]  # fmt: skip
 NO_ADDS = [
-    ("                    cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])",
-     "                    pass"),
+    ("            cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, in_sum + box])",
+     "            pass"),
 ]  # fmt: skip
 NO_HANDOVER = [
-    ("        for tile in cutlass.range(first, end, unroll=1):\n"
-     "            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):\n"
-     "                cute.arch.barrier_arrive(",
-     "        for tile in cutlass.range(first, first, unroll=1):\n"
-     "            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):\n"
-     "                cute.arch.barrier_arrive("),
+    ("    for head in cutlass.range(group, unroll=1):\n"
+     "        h = g * group + head\n"
+     "        boxes_of_sums =",
+     "    for head in cutlass.range(0, unroll=1):\n"
+     "        h = g * group + head\n"
+     "        boxes_of_sums ="),
     ("    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)\n"
      "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
      '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n'
@@ -79,6 +86,7 @@ NO_MEETING = [
 ]  # fmt: skip
 VARIANTS = {
     "whole": [],
+    "from tile 0": FROM_TILE_0,
     "unordered": UNORDERED,
     "no adds": UNORDERED + NO_ADDS,
     "no handover": NO_HANDOVER,

@@ -337,7 +337,7 @@ def cute_tile_sweep():
         for tiles in CUTE_BACKWARD_SWEEP[head_dim]:
             kernel = compiled(cute_3_backward, head_dim, tiles, causal, backward=True)
             backward = functools.partial(cute_impl.run_backward, kernel, q, k, v, o, lse, do,
-                                         scale, *grads)  # fmt: skip
+                                         causal, scale, *grads)  # fmt: skip
             backward()
             error = max((g.float() - e.float()).abs().max().item()
                         for g, e in zip(grads, expected, strict=True))  # fmt: skip

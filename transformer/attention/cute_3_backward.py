@@ -23,16 +23,18 @@ and adds its share of each query tile's dQ, dS_m K_n, into a float32 sum in glob
 key blocks add into one query tile, and float addition is not associative: for the same bits
 every run the adds must come in a fixed order. Each query tile has a semaphore (an int32
 counting the key blocks that have added); block n adds only once it reads the number of blocks
-before it in the order, then counts itself in. The order is the last key block first, and the
+before it in the order, then counts itself in. Each order is the last key block first, and the
 grid launches the last key block first, so a block only ever waits on blocks already running
-(a block waiting on one that cannot start would hang the GPU). Under causal masking no later
-block sees the first query tile of a block whose first key the first query row does not see,
-so such a block adds first there and starts without waiting; the other blocks (all of them
-without a mask, the keys every row sees when S_k > S_q) start on tile 0, each one tile's adds
-behind the block launched before it.
+(a block waiting on one that cannot start would hang the GPU). Under causal masking a block
+starts at its diagonal's tile, which no later block sees, so it adds first there and starts
+without waiting. Without a mask every block sees every tile; block n starts at tile n x tiles /
+n_blocks and wraps around to tile 0 at the end, adding the tiles after the wrap into a second
+sum (`query_tiles`, `blocks_before`): each block then reaches a tile a few tiles after the
+block before it in the order, where with one walk from tile 0 for all, block n waited at tile 0
+for the n_blocks - 1 - n blocks before it, one after another.
 
 1. `delta_kernel`: delta = rowsum(dO O) per query row (a warp a row, a butterfly sum), the dQ
-   sum's rows zeroed and the semaphores zeroed.
+   sums' rows zeroed and the semaphores zeroed.
 2. `attention_backward_kernel`, one block per BLOCK_N = 128 keys of one KV head: for each query
    head of the group in order, over the query tiles that see its keys, the products transposed,
    S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T come out of the tensor cores in the
@@ -42,7 +44,7 @@ behind the block launched before it.
    an MN-major A operand), the two meet on a named barrier, and each multiplies all 128 keys'
    dS by its half of D of K. A writer warp adds the halves to the float32 sum by TMA reduce-add
    (`cp.reduce.async.bulk.tensor`, performed in L2) in the semaphore's order.
-3. dQ = scale x the sum, rounded (cute_impl: one torch multiply into dq).
+3. dQ = scale x the sum (of the two sums), rounded (cute_impl: torch).
 
 The map of kernel 2. Step 2's (cute_2_wgmma.py) machinery: 384 threads; warpgroup 0 the producer
 (setmaxnreg down to 24 registers), in which warp 0 issues every TMA load and warp 1 is the dQ
@@ -77,11 +79,12 @@ stmatrix and one TMA store a warpgroup.
 - setmaxnreg needs the launch bound `min_blocks_per_mp=1` (.minnctapersm 1): without it ptxas
   could not tell the registers a thread has at entry, ignored setmaxnreg (its warning C7508)
   and spilled within the even share of 168.
-- The loop over query tiles is in two parts: the tiles that hold the diagonal of the block's
-  keys (masked), then those whose every row sees every key of the block; query rows past S_q
-  read zeros (TMA fills them) with lse = delta = 0, so they add exactly 0, and keys past S_k
-  are zero rows of K and V: they only reach rows of dK and dV that TMA does not store, and add
-  dS x 0 = 0 to dQ.
+- The loop over query tiles is in two parts: causal, the tiles that hold the diagonal of the
+  block's keys (masked), then those whose every row sees every key of the block; without a
+  mask, the tiles from the block's start on, then those before it (wrapped around); query
+  rows past S_q read zeros (TMA fills them) with lse = delta = 0, so they add exactly 0, and
+  keys past S_k are zero rows of K and V: they only reach rows of dK and dV that TMA does not
+  store, and add dS x 0 = 0 to dQ.
 
 Within a tile the products overlap the row work where the data allow: S^T and dP^T are issued
 together and P^T is computed while dP^T's wgmmas run, dS^T while dV's run, dS^T's store to
@@ -125,7 +128,7 @@ from cute_2_wgmma import (
     transposed,
 )
 
-__all__ = ["TILES", "launch_backward"]
+__all__ = ["TILES", "launch_backward", "sums"]
 
 # The block of keys: a 64-row half for each consumer warpgroup.
 BLOCK_N = CONSUMER_WARPGROUPS * WGMMA_M
@@ -159,10 +162,10 @@ DELTA_WARPS = 4  # rows of delta_kernel's block, a warp each
 def delta_kernel(o: cute.Tensor, do: cute.Tensor, delta: cute.Tensor, dq_sum: cute.Tensor,
                  semaphores: cute.Tensor, rows: cutlass.Int32, s_q: cutlass.Int32,
                  heads: cutlass.Int32, block_m: cutlass.Constexpr[int],
-                 head_dim: cutlass.Constexpr[int]):  # fmt: skip
+                 head_dim: cutlass.Constexpr[int], sums: cutlass.Constexpr[int]):  # fmt: skip
     """One warp a query row (b, s, h), rows in memory order: delta = sum_d dO O in float32 (a
-    lane every 32nd column, then a butterfly over the warp: a fixed order), the row of the
-    dQ sum zeroed, and, by the first row of each query tile, the tile's semaphore."""
+    lane every 32nd column, then a butterfly over the warp: a fixed order), the row of each dQ
+    sum zeroed, and, by the first row of each query tile, the tile's semaphores."""
     thread, _, _ = cute.arch.thread_idx()
     block, _, _ = cute.arch.block_idx()
     lane = cute.arch.lane_idx()
@@ -176,12 +179,14 @@ def delta_kernel(o: cute.Tensor, do: cute.Tensor, delta: cute.Tensor, dq_sum: cu
             d = lane + 32 * j  # a warp's loads are contiguous
             d_o, out = do[b, s, h, d].to(cutlass.Float32), o[b, s, h, d].to(cutlass.Float32)
             partial = partial + d_o * out
-            dq_sum[b, s, h, d] = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(sums * head_dim // 32):
+            dq_sum[b, s, h, lane + 32 * j] = cutlass.Float32(0.0)
         total = cute.arch.warp_reduction(partial, lambda x, y: x + y)
         if lane == 0:
             delta[b, h, s] = total
             if s % block_m == 0:
-                semaphores[b, h, s // block_m] = cutlass.Int32(0)
+                for wrapped in cutlass.range_constexpr(sums):
+                    semaphores[b, h, wrapped, s // block_m] = cutlass.Int32(0)
 
 
 # (2) dK, dV and dQ ----------------------------------------------------------------------------
@@ -220,27 +225,49 @@ def read_stats(stats, slot, score_coords, offset):
 
 # query_tiles and blocks_before are plain Python over ints or the kernel's Int32s (traced
 # inline there): test.py plays the dQ order on the host with them.
-def query_tiles(first_key, s_q, s_k, block_m, causal):
-    """(first, full, end) query tiles of block_m rows for the keys [first_key, first_key +
-    BLOCK_N): tiles [first, full) hold their causal diagonal (masked), [full, end) see every
-    one of them; the rows before tile `first` see none (triton_impl's dK/dV kernel)."""
+def query_tiles(n_block, n_blocks, s_q, s_k, block_m, causal):
+    """(first, full, start, end): the query tiles of block_m rows that key block n_block (keys
+    [n_block BLOCK_N, + BLOCK_N)) visits, in three ranges, in this order: [first, full) hold
+    their causal diagonal (masked); [start, end) and then [full, start) (the tiles "wrapped
+    around") see every one of its keys. Causal, start = full: no tile is wrapped around, and
+    the rows before tile `first` see none of the keys (triton_impl's dK/dV kernel). Without a
+    mask every block sees every tile, and block n starts at tile n x end / n_blocks (its
+    diagonal when S_q = S_k), so that the blocks do not all start on tile 0 (`blocks_before`)."""
     end = (s_q + block_m - 1) // block_m
-    first, full = 0, 0
+    first, full, start = 0, 0, 0
     if cutlass.const_expr(causal):
         shift = s_k - s_q  # row i sees key j when j <= i + shift
+        first_key = n_block * BLOCK_N
         first = cutlass.max(first_key - shift, 0) // block_m
         all_keys_row = cutlass.max(first_key + BLOCK_N - 1 - shift, 0)  # sees the last key
         full = cutlass.min(cutlass.max((all_keys_row + block_m - 1) // block_m, first), end)
-    return first, full, end
+        start = full
+    else:
+        start = n_block * end // n_blocks
+    return first, full, start, end
 
 
-def blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m, causal):
-    """How many key blocks add to query tile `tile`'s dQ before block n_block. The tile is seen
-    by blocks 0 .. last (`query_tiles`: block n sees tile m iff m >= its first; causal, last is
-    the block of the last key the tile's last row sees), and they add from the last down."""
+def blocks_before(n_block, tile, wrapped, n_blocks, s_q, s_k, block_m, causal):
+    """How many key blocks add to query tile `tile`'s dQ sum before block n_block: the first sum
+    for the tiles a block visits before it wraps around, the second for those after (`wrapped`,
+    a Python bool). Each sum's adds come from the last block down, and the grid launches the
+    last block first, so a block only waits on blocks already running. First sum: the tile is
+    added to by blocks 0 .. last (`query_tiles`: causal, last is the block of the last key the
+    tile's last row sees; without a mask, the last block that starts at or before the tile).
+    Second sum: by the blocks that start after the tile, n_block + 1 .. n_blocks - 1.
+
+    Why two sums: without a mask, block n reaches tile m (m >= its start) m - start(n) tiles
+    into its walk, the block after it in the order one start's difference earlier, so it
+    rarely waits; with one order over all the blocks from tile 0 (as before 2026-12-06), block
+    n waited at tile 0 for the n_blocks - 1 - n blocks before it, one after another. The
+    wrapped-around adds go into a sum of their own because a single order would have a block
+    wait on blocks launched after it (deadlock when a head's blocks do not all fit the GPU)."""
     last = n_blocks - 1
     if cutlass.const_expr(causal):
         last = cutlass.min((tile * block_m + block_m - 1 + s_k - s_q) // BLOCK_N, last)
+    elif cutlass.const_expr(not wrapped):
+        end = (s_q + block_m - 1) // block_m
+        last = cutlass.min(((tile + 1) * n_blocks + end - 1) // end - 1, last)
     return last - n_block
 
 
@@ -259,64 +286,96 @@ def mask_transposed(p_t, coords, first_key, first_query, s_q, s_k):
 def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_blocks, tiles, s_q,
              s_k, block_m: cutlass.Constexpr, head_dim: cutlass.Constexpr,
              causal: cutlass.Constexpr):  # fmt: skip
-    """The writer warp, over the query tiles in the consumers' order: hand both staging buffers
-    to the consumers ("empty"), wait until the tile's semaphore counts the key blocks before
-    this one, add each consumer's staged dQ half once it is there ("full") by TMA reduce-add,
-    wait until the adds are done in L2, then count this block in (release: the next block's
-    acquire sees the adds)."""
-    lane = cute.arch.lane_idx()
-    first, _, end = tiles
-    boxes = head_dim // DQ_BOX // CONSUMER_WARPGROUPS  # a consumer's half of D
+    """The writer warp, over the query tiles in the consumers' order (`query_tiles`), each
+    into its sum (`add_tile`)."""
+    first, full, start, end = tiles
     for head in cutlass.range(group, unroll=1):
         h = g * group + head
-        sums = cute.local_tile(DQ_sum[None, None, h, b], (block_m, DQ_BOX), (None, None))
+        boxes_of_sums = cute.local_tile(DQ_sum[None, None, h, b], (block_m, DQ_BOX), (None, None))
         staged, tiles_of_sum = cpasync.tma_partition(
             tma_add, 0, cute.make_layout(1), cute.group_modes(staging, 0, 2),
-            cute.group_modes(sums, 0, 2),
+            cute.group_modes(boxes_of_sums, 0, 2),
         )  # fmt: skip
-        for tile in cutlass.range(first, end, unroll=1):
-            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + half,
-                                         number_of_threads=CONSUMER_AND_WRITER)  # fmt: skip
-            semaphore = semaphores.iterator + cute.crd2idx((b, h, tile), semaphores.layout)
-            if lane == 0:
-                before = blocks_before(n_block, tile, n_blocks, s_q, s_k, block_m, causal)
-                seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
-                while seen != before:
-                    seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
-            for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
-                cute.arch.barrier(barrier_id=DQ_FULL + half, number_of_threads=CONSUMER_AND_WRITER)
-                # The whole warp calls the copy: a TMA copy elects its lane itself (elect.sync
-                # over the warp, which hangs when one lane reaches it alone).
-                for i in cutlass.range_constexpr(boxes):
-                    box = half * boxes + i
-                    cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, box])
-            with cute.arch.elect_one():  # the same lane as the copies' (the lowest)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read
-                cute.arch.atomic_add(semaphore, cutlass.Int32(1), sem="release", scope="gpu")
+        add = functools.partial(
+            add_tile, tma_add=tma_add, staged=staged, tiles_of_sum=tiles_of_sum,
+            semaphores=semaphores, b=b, h=h, n_block=n_block, n_blocks=n_blocks, s_q=s_q,
+            s_k=s_k, block_m=block_m, head_dim=head_dim, causal=causal,
+        )  # fmt: skip
+        for tile in cutlass.range(first, full, unroll=1):
+            add(tile=tile, wrapped=False)
+        for tile in cutlass.range(start, end, unroll=1):
+            add(tile=tile, wrapped=False)
+        for tile in cutlass.range(full, start, unroll=1):
+            add(tile=tile, wrapped=True)
+
+
+@cute.jit
+def add_tile(tma_add, staged, tiles_of_sum, semaphores, b, h, tile, n_block, n_blocks, s_q,
+             s_k, block_m: cutlass.Constexpr, head_dim: cutlass.Constexpr,
+             causal: cutlass.Constexpr, wrapped: cutlass.Constexpr):  # fmt: skip
+    """One query tile's dQ share, by the writer warp: hand both staging buffers to the
+    consumers ("empty"), wait until the tile's semaphore in its sum (the second, D columns on,
+    if `wrapped`) counts the key blocks before this one, add each consumer's staged dQ half
+    once it is there ("full") by TMA reduce-add, wait until the adds are done in L2, then count
+    this block in (release: the next block's acquire sees the adds)."""
+    lane = cute.arch.lane_idx()
+    boxes = head_dim // DQ_BOX // CONSUMER_WARPGROUPS  # a consumer's half of D
+    in_sum = head_dim // DQ_BOX if cutlass.const_expr(wrapped) else 0  # the sum's first box
+    for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)
+    semaphore = semaphores.iterator + cute.crd2idx((b, h, int(wrapped), tile), semaphores.layout)
+    if lane == 0:
+        before = blocks_before(n_block, tile, wrapped, n_blocks, s_q, s_k, block_m, causal)
+        seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+        while seen != before:
+            seen = cute.arch.load(semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+    for half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
+        cute.arch.barrier(barrier_id=DQ_FULL + half, number_of_threads=CONSUMER_AND_WRITER)
+        # The whole warp calls the copy: a TMA copy elects its lane itself (elect.sync over
+        # the warp, which hangs when one lane reaches it alone).
+        for i in cutlass.range_constexpr(boxes):
+            box = half * boxes + i
+            cute.copy(tma_add, staged[None, box], tiles_of_sum[None, tile, in_sum + box])
+    with cute.arch.elect_one():  # the same lane as the copies' (the lowest)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not only read
+        cute.arch.atomic_add(semaphore, cutlass.Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def next_in_order(tile, tiles, causal: cutlass.Constexpr):
+    """The query tile after `tile` in a block's walk (`query_tiles`: causal [first, end), else
+    [start, end) then [0, start)), and whether `tile` is the head's last, after which the walk
+    begins again at its first tile (`next` is then that one)."""
+    first, _, start, end = tiles
+    after = tile + 1
+    walk_first, next_tile = first, after
+    head_done = after == end
+    if cutlass.const_expr(not causal):
+        walk_first = start
+        head_done = after == cutlass.select_(start > 0, start, end)
+        next_tile = cutlass.select_(after == end, 0, after)
+    return cutlass.Int32(cutlass.select_(head_done, walk_first, next_tile)), head_done
 
 
 @cute.jit
 def backward_query_tile(
     state, tile, mmas, frags, views, scores_t, dp_t, dk, dv, dq, lse, delta, b, h, last_h,
     tiles, score_coords, first_key, s_q, s_k, scale_log2, half, mine,
-    block_m: cutlass.Constexpr, masked: cutlass.Constexpr,
+    block_m: cutlass.Constexpr, causal: cutlass.Constexpr, masked: cutlass.Constexpr,
 ):  # fmt: skip
     """Query tile `tile` of head h, landed in the ring's stage state.index, into this
     warpgroup's dK and dV, and this warpgroup's half of D of the tile's dQ share staged for the
     writer; dS^T and the statistics through the buffers of the parity of state.count, where
-    this tile stages the next one's statistics (the next in the consumers' order: the next
-    head's first tile after this head's last; after the group's last, any tile)."""
+    this tile stages the next one's statistics (the next in the consumers' order,
+    `next_in_order`; after the group's last, any tile)."""
     stage, parity = state.index, state.count % 2
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag, ds_frag, k_t_frag = frags
     ds_store, dq_staged, stats = views
     first_query = tile * block_m
-    first, _, end = tiles
-    wraps = tile + 1 == end
-    next_tile = cutlass.Int32(cutlass.select_(wraps, first, tile + 1))
-    next_h = cutlass.Int32(cutlass.select_(wraps, cutlass.min(h + 1, last_h), h))
+    next_tile, head_done = next_in_order(tile, tiles, causal)
+    next_h = cutlass.Int32(cutlass.select_(head_done, cutlass.min(h + 1, last_h), h))
     fetched = fetch_stats(lse, delta, b, next_h, next_tile, s_q, mine, block_m)  # lands a tile on
     issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage], overwrite)
     issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage], overwrite)
@@ -363,14 +422,14 @@ def backward_query_tile(
 def consume(
     once_pipe, ring, mmas, stores, lse, delta, buffers, thread, warpgroup_index, b, g, group,
     n_block, tiles, s_q, s_k, scale_log2, scale, head_dim: cutlass.Constexpr,
-    block_m: cutlass.Constexpr, stages: cutlass.Constexpr,
+    block_m: cutlass.Constexpr, stages: cutlass.Constexpr, causal: cutlass.Constexpr,
 ):  # fmt: skip
     """A consumer warpgroup: its 64 keys' dK and dV over the group's query heads in order and
     their query tiles, each tile's dQ half handed to the writer; then dK scale and dV."""
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_smem, v_smem, q_smem, do_smem, ds_smem, staging, stats_smem = buffers
     tma_dk, DK_tma, tma_dv, DV_tma = stores
-    first, full, end = tiles
+    first, full, start, end = tiles
     half = warpgroup_index - 1  # which 64 keys of the block, and which half of D of dQ
     mine = thread % WARPGROUP_THREADS
     first_key = n_block * BLOCK_N + half * WGMMA_M
@@ -432,8 +491,9 @@ def consume(
 
     # The first tile's statistics (its parity is 0), seen by the warpgroup after the barrier.
     first_h, last_h = g * group, g * group + group - 1
-    stage_stats(fetch_stats(lse, delta, b, first_h, first, s_q, mine, block_m), stats, 0, first,
-                s_q, mine, block_m)  # fmt: skip
+    walk_first = first if cutlass.const_expr(causal) else start  # `next_in_order`
+    stage_stats(fetch_stats(lse, delta, b, first_h, walk_first, s_q, mine, block_m), stats, 0,
+                walk_first, s_q, mine, block_m)  # fmt: skip
     cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)
     once_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     once_pipe.consumer_wait(once_state)  # K and V have landed
@@ -444,9 +504,11 @@ def consume(
             dp_t=dp_t, dk=dk, dv=dv, dq=dq, lse=lse, delta=delta, b=b, h=first_h + head,
             last_h=last_h, tiles=tiles, score_coords=score_coords, first_key=first_key,
             s_q=s_q, s_k=s_k, scale_log2=scale_log2, half=half, mine=mine, block_m=block_m,
+            causal=causal,
         )  # fmt: skip
         state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
-        state = consume_tiles(ring, state, full, end, visit, False)
+        state = consume_tiles(ring, state, start, end, visit, False)
+        state = consume_tiles(ring, state, full, start, visit, False)  # wrapped around
 
     # dK and dV go into this warpgroup's halves of K's and V's buffers. V's half was read by
     # this warpgroup's dP^T only, K's by its S^T and by both consumers' dQ wgmmas: both have
@@ -485,8 +547,8 @@ def attention_backward_kernel(
     n_block = n_blocks - 1 - block % n_blocks
     g = block // n_blocks % heads_kv
     b = block // n_blocks // heads_kv
-    tiles = query_tiles(n_block * BLOCK_N, s_q, s_k, block_m, causal)
-    first, _, end = tiles
+    tiles = query_tiles(n_block, n_blocks, s_q, s_k, block_m, causal)
+    first, full, start, end = tiles
     if warp == 0:
         for atom in (tma_k, tma_v, tma_q, tma_do, tma_dk, tma_dv, tma_add):
             cpasync.prefetch_descriptor(atom)
@@ -518,7 +580,9 @@ def attention_backward_kernel(
                 loads = [(tma, *tma_tiles(tma, T[None, None, h, b], buffers, block_m, head_dim))
                          for tma, T, buffers in ((tma_q, Q_tma, q_smem),
                                                  (tma_do, DO_tma, do_smem))]  # fmt: skip
-                state = load_tiles(ring, state, loads, first, end)
+                state = load_tiles(ring, state, loads, first, full)  # `query_tiles`' walk
+                state = load_tiles(ring, state, loads, start, end)
+                state = load_tiles(ring, state, loads, full, start)
             ring.producer_tail(state)
         if warp == WRITER_WARP:
             write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_blocks, tiles,
@@ -530,7 +594,7 @@ def attention_backward_kernel(
                 (k_smem, v_smem, q_smem, do_smem, ds_smem, staging, stats_smem), thread,
                 warpgroup_index,
                 b, g, group, n_block, tiles, s_q, s_k, scale_log2, scale, head_dim, block_m,
-                stages)  # fmt: skip
+                stages, causal)  # fmt: skip
 
 
 # The launch -----------------------------------------------------------------------------------
@@ -545,6 +609,12 @@ def tma_atom(op, t, seq, heads, batch, layout, rows, columns):
     )  # fmt: skip
 
 
+def sums(causal):
+    """How many float32 dQ sums the backward adds into (`blocks_before`): without a mask two,
+    the tiles a block visits before it wraps around and those after."""
+    return 1 if causal else 2
+
+
 @cute.jit
 def launch_backward(
     q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
@@ -555,8 +625,9 @@ def launch_backward(
     """The backward over (B, S, H, D) operands with 16-byte aligned bases and positive batch,
     sequence and head strides that are multiples of 16 bytes (TMA's rules; cute_impl checks),
     into dK, dV and dq_sum: delta_kernel, then (same stream) attention_backward_kernel. Scratch:
-    delta (B, H, S_q) float32; dq_sum (B, S_q, H, D) float32, rows 16-byte aligned;
-    semaphores (B, H, ceil(S_q / 64)) int32. dQ = scale dq_sum is the caller's."""
+    delta (B, H, S_q) float32; dq_sum (B, S_q, H, SUMS D) float32, rows 16-byte aligned;
+    semaphores (B, H, SUMS, ceil(S_q / 64)) int32 (`sums`). dQ = scale x the sum of the sums
+    (each D columns) is the caller's."""
     block_m, stages = TILES[head_dim]
     dtype = q.element_type
     batch = cutlass.Int32(cute.size(q, mode=[0]))
@@ -564,7 +635,8 @@ def launch_backward(
     s_k, heads_kv = cutlass.Int32(cute.size(k, mode=[1])), cutlass.Int32(cute.size(k, mode=[2]))
 
     rows = batch * s_q * heads
-    delta_kernel(o, do, delta, dq_sum, semaphores, rows, s_q, heads, block_m, head_dim).launch(
+    delta_kernel(o, do, delta, dq_sum, semaphores, rows, s_q, heads, block_m, head_dim,
+                 sums(causal)).launch(
         grid=[(rows + DELTA_WARPS - 1) // DELTA_WARPS, 1, 1], block=[DELTA_WARPS * 32, 1, 1],
         stream=stream,
     )  # fmt: skip

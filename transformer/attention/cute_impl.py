@@ -139,18 +139,20 @@ def build(dtype, head_dim, causal, options="", step=1, backward=False):
 def build_backward(dtype, head_dim, causal, options=""):
     """cute.compile step 3's backward launcher as `build` does the forward's: q, o and dO
     share (B, S_q, H), k, v, dK and dV (B, S_k, H_kv); lse and delta (B, H, S_q) float32; the
-    dQ sum (B, S_q, H, D) float32 with 16-byte rows; the semaphores (B, H, query tiles)."""
+    dQ sums (B, S_q, H, sums x D) float32 with 16-byte rows; their semaphores (B, H, sums,
+    query tiles) (`cute_3_backward.sums`)."""
     batch, s_q, s_k, heads, heads_kv, tiles = (cute.sym_int64() for _ in range(6))
+    sums = cute_3_backward.sums(causal)
     q, o, do = (fake_operand(dtype, batch, s_q, heads, head_dim) for _ in range(3))
     k, v, dk, dv = (fake_operand(dtype, batch, s_k, heads_kv, head_dim) for _ in range(4))
     lse, delta = fake_rows(batch, heads, s_q), fake_rows(batch, heads, s_q)
     dq_sum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (batch, s_q, heads, head_dim),
+        cutlass.Float32, (batch, s_q, heads, sums * head_dim),
         stride=(*(cute.sym_int64(divisibility=4) for _ in range(3)), 1), assumed_align=16,
     )  # fmt: skip
     semaphores = cute.runtime.make_fake_tensor(
-        cutlass.Int32, (batch, heads, tiles), stride=tuple(cute.sym_int64() for _ in range(3)),
-        assumed_align=4,
+        cutlass.Int32, (batch, heads, sums, tiles),
+        stride=tuple(cute.sym_int64() for _ in range(4)), assumed_align=4,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
@@ -249,21 +251,27 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
     run_backward(compile_step(q.dtype, q.shape[3], causal, backward=True), q, k, v, o, lse, do,
-                 default_scale(q.shape[3], scale), dq, dk, dv)  # fmt: skip
+                 causal, default_scale(q.shape[3], scale), dq, dk, dv)  # fmt: skip
     return dq, dk, dv
 
 
-def run_backward(kernel, q, k, v, o, lse, do, scale, dq, dk, dv):
+def run_backward(kernel, q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     """A compiled backward (`compile_step(..., backward=True)`) on validated operands, with
-    its scratch: delta, the float32 dQ sum and the semaphores, zeroed by its first kernel."""
+    its scratch: delta, the float32 dQ sums (side by side in a row) and their semaphores,
+    zeroed by its first kernel; dQ = scale x (the first sum + the second), rounded once."""
     batch, s_q, heads, head_dim = q.shape
     block_m, _ = cute_3_backward.TILES[head_dim]
+    sums = cute_3_backward.sums(causal)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    semaphores = torch.empty((batch, heads, -(-s_q // block_m)), dtype=torch.int32,
+    dq_sums = torch.empty((batch, s_q, heads, sums * head_dim), dtype=torch.float32,
+                          device=q.device)  # fmt: skip
+    semaphores = torch.empty((batch, heads, sums, -(-s_q // block_m)), dtype=torch.int32,
                              device=q.device)  # fmt: skip
-    kernel(q, k, v, o, lse, do, dk, dv, delta, dq_sum, semaphores,
+    kernel(q, k, v, o, lse, do, dk, dv, delta, dq_sums, semaphores,
            scale * cute_1_tiled.LOG2E, scale)  # fmt: skip
+    dq_sum = dq_sums[..., :head_dim]
+    if sums == 2:
+        dq_sum.add_(dq_sums[..., head_dim:])
     torch.mul(dq_sum, scale, out=dq)
 
 

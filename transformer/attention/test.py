@@ -745,18 +745,19 @@ def step3_ptx_promises(kind, head_dim):
     return expected, present, absent
 
 
-def backward_ptx_promises(kind, head_dim, causal):
+def backward_ptx_promises(kind, head_dim):
     """The map of cute_3_backward.py: delta's kernel (a butterfly sum), then one pass over the
-    query tiles, in two loops (the masked one only when causal: no query tile needs a mask
-    otherwise), each with S^T and dP^T (64 x BLOCK_M, D / 16 wgmmas each, from shared memory),
-    dV += P^T dO and dK += dS^T Q (64 x D, BLOCK_M / 16 each, from registers) and dQ's share
-    dS K (64 x D / 2 a consumer, BLOCK_N / 16 from shared memory); TMA loads on mbarriers, TMA
-    stores of dK and dV written by stmatrix, dQ added in float32 by TMA reduce-add in the order
-    of a semaphore (an acquire load, a release add on an integer); setmaxnreg with the
-    .minnctapersm that keeps ptxas from ignoring it; no float atomics (a float sum in no fixed
-    order). As (instruction counts, present, absent)."""
+    query tiles, in two loops (causal: the masked tiles, then the others; without a mask: the
+    tiles from the block's start on, then those wrapped around), each with S^T and dP^T (64 x
+    BLOCK_M, D / 16 wgmmas each, from shared memory), dV += P^T dO and dK += dS^T Q (64 x D,
+    BLOCK_M / 16 each, from registers) and dQ's share dS K (64 x D / 2 a consumer, BLOCK_N /
+    16 from shared memory); TMA loads on mbarriers, TMA stores of dK and dV written by
+    stmatrix, dQ added in float32 by TMA reduce-add in the order of a semaphore (an acquire
+    load, a release add on an integer); setmaxnreg with the .minnctapersm that keeps ptxas
+    from ignoring it; no float atomics (a float sum in no fixed order). As (instruction
+    counts, present, absent)."""
     block_m, _ = cute_3_backward.TILES[head_dim]
-    loops = 2 if causal else 1
+    loops = 2
     wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
     expected = collections.Counter({wgmma.format(block_m): loops * 2 * head_dim // 16})
     expected[wgmma.format(head_dim)] += loops * 2 * block_m // 16
@@ -775,7 +776,7 @@ REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\S* \{[^}]*\}, \{")
 FLOAT_ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(red|atom)\.\S*\.(f16|bf16|f32|f64)\b", re.MULTILINE)
 
 
-def missing_ptx_facts(ptx, dtype, head_dim, build=1, causal=False):
+def missing_ptx_facts(ptx, dtype, head_dim, build=1):
     """What README.md's CuTe build `build` (a step's forward, or BACKWARD) promises and `ptx`
     lacks (an empty list: all there): the build's own instructions and counts
     (step1_ptx_promises to backward_ptx_promises), and for every build exp2 as ex2.approx.ftz
@@ -783,7 +784,7 @@ def missing_ptx_facts(ptx, dtype, head_dim, build=1, causal=False):
     indexed at run time); the forwards' 1 / l correctly rounded."""
     kind = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     promises = {1: step1_ptx_promises, 2: step2_ptx_promises, 3: step3_ptx_promises,
-                BACKWARD: functools.partial(backward_ptx_promises, causal=causal)}  # fmt: skip
+                BACKWARD: backward_ptx_promises}  # fmt: skip
     expected, present, absent = promises[build](kind, head_dim)
     present = [*present, "ex2.approx.ftz.f32", *(["rcp.rn.f32"] if build != BACKWARD else [])]
     absent = [*absent, "ld.local", "st.local", "rcp.approx", "div.approx"]
@@ -817,7 +818,7 @@ def test_cute_builds_for_hopper(dtype, head_dim, causal, build):
     backward: the same in one pass, dQ added in a fixed order, no float atomics), with the
     instructions the bound counts."""
     ptx = cute_ptx(dtype, head_dim, causal, build)
-    assert missing_ptx_facts(ptx, dtype, head_dim, build, causal) == []
+    assert missing_ptx_facts(ptx, dtype, head_dim, build) == []
 
 
 @needs_cute
@@ -987,34 +988,80 @@ if cute_impl is not None:  # @cute.jit needs the DSL
         ) and str(mn_major.inner) == str(kv_layout.inner)
 
 
-def dq_order_faults(s_q, s_k, causal, blocks_before):
-    """The one-pass backward's dQ order played on the host (cute_3_backward.query_tiles for the
-    query tiles each key block visits, `blocks_before` for the count its writer waits for):
-    what breaks the kernel's promises, as strings (none: an empty list). Every visited tile is
-    added to by blocks 0 .. last, each once; block n waits for exactly the blocks after it
-    (they add first), so it only waits on blocks launched before it (the grid launches the
-    last key block first); under causal masking a block whose first key the first query row
-    does not see (its first tile holds its diagonal) does not wait at that tile."""
+def dq_walks(s_q, s_k, causal):
+    """Each key block's walk over the query tiles (cute_3_backward.query_tiles), as (sum,
+    tile) in its order: sum 1 for the tiles after it wraps around."""
     block_m, _ = cute_3_backward.TILES[128]
     n_blocks = -(-s_k // cute_3_backward.BLOCK_N)
-    adders, faults = collections.defaultdict(list), []
+    walks = []
     for n in range(n_blocks):
-        first, _, end = cute_3_backward.query_tiles(
-            n * cute_3_backward.BLOCK_N, s_q, s_k, block_m, causal
-        )
-        for tile in range(first, end):
-            adders[tile].append(n)
-        diagonal_first = causal and n * cute_3_backward.BLOCK_N > s_k - s_q
-        if diagonal_first and blocks_before(n, first, n_blocks, s_q, s_k, block_m, causal):
-            faults.append(f"block {n} waits at its first tile {first}")
-    for tile, blocks in adders.items():
-        if blocks != list(range(len(blocks))):
-            faults.append(f"tile {tile} is added to by blocks {blocks}")
-        for n in blocks:
-            later = sum(other > n for other in blocks)
-            waits = blocks_before(n, tile, n_blocks, s_q, s_k, block_m, causal)
-            if waits != later:
-                faults.append(f"block {n} at tile {tile} waits for {waits}, not {later}")
+        first, full, start, end = cute_3_backward.query_tiles(n, n_blocks, s_q, s_k, block_m,
+                                                              causal)  # fmt: skip
+        walks.append([(0, t) for t in [*range(first, full), *range(start, end)]]
+                     + [(1, t) for t in range(full, start)])  # fmt: skip
+    return walks
+
+
+def play_dq_order(s_q, s_k, causal, blocks_before, resident):
+    """The writers of the one-pass backward played on the host: the key blocks launched last
+    first, `resident` at a time (the next once one finishes, as blocks wait for an SM); each
+    round, every running block adds its next tile if the tile's semaphore, as it stood at the
+    round's start (an add is seen a round later), counts `blocks_before`. Returns the rounds
+    and each (sum, tile)'s adding blocks in order, or None if no block can move (a deadlock:
+    on a GPU, a hang)."""
+    block_m, _ = cute_3_backward.TILES[128]
+    walks = dq_walks(s_q, s_k, causal)
+    n_blocks = len(walks)
+    to_launch, running = list(range(n_blocks - 1, -1, -1)), {}
+    counts, adds, rounds = collections.Counter(), collections.defaultdict(list), 0
+    while to_launch or running:
+        while to_launch and len(running) < resident:
+            running[to_launch.pop(0)] = 0
+        seen, moved = dict(counts), False
+        for n in list(running):
+            which, tile = walks[n][running[n]]
+            waits = blocks_before(n, tile, which == 1, n_blocks, s_q, s_k, block_m, causal)
+            if seen.get((which, tile), 0) == waits:
+                counts[which, tile] += 1
+                adds[which, tile].append(n)
+                running[n] += 1
+                moved = True
+                if running[n] == len(walks[n]):
+                    del running[n]
+        rounds += 1
+        if not moved:
+            return None
+    return rounds, adds
+
+
+def dq_order_faults(s_q, s_k, causal, blocks_before):
+    """What breaks the dQ order's promises (`play_dq_order`), as strings (none: an empty
+    list): no deadlock with one block resident, two, or all; each query tile added to exactly
+    once by every key block one of its rows sees (causal: the block's first key is seen by the
+    tile's last row), each sum's adds from the last block down (one order, every run); and,
+    with every block resident and at least as many query tiles as key blocks, without a mask
+    or with S_q = S_k, no block waits for another: the rounds are the longest walk's tiles."""
+    block_m, _ = cute_3_backward.TILES[128]
+    n_blocks, tiles = -(-s_k // cute_3_backward.BLOCK_N), -(-s_q // block_m)
+    faults = []
+    for resident in sorted({1, 2, n_blocks}):
+        played = play_dq_order(s_q, s_k, causal, blocks_before, resident)
+        if played is None:
+            faults.append(f"deadlock with {resident} blocks resident")
+            continue
+        rounds, adds = played
+        for tile in range(tiles):
+            last_row = min((tile + 1) * block_m, s_q) - 1 + (s_k - s_q if causal else s_k)
+            seen_by = [n for n in range(n_blocks) if n * cute_3_backward.BLOCK_N <= last_row]
+            if sorted(adds[0, tile] + adds[1, tile]) != seen_by:
+                faults.append(f"tile {tile} added to by {adds[0, tile]} + {adds[1, tile]}")
+        for key, blocks in adds.items():
+            if blocks != sorted(blocks, reverse=True):
+                faults.append(f"sum {key[0]}, tile {key[1]}: blocks {blocks} in that order")
+        longest = max(len(walk) for walk in dq_walks(s_q, s_k, causal))
+        no_chain = tiles >= n_blocks and (not causal or s_q == s_k)
+        if resident == n_blocks and no_chain and rounds != longest:
+            faults.append(f"{rounds} rounds for walks of {longest} tiles")
     return faults
 
 
@@ -1023,10 +1070,13 @@ def dq_order_faults(s_q, s_k, causal, blocks_before):
 def test_cute_backward_dq_order(causal):
     """dq_order_faults finds nothing for S_q and S_k of every relation (equal, one token,
     primes, S_q above S_k: rows that see no key; below: the diagonal shifted), and finds the
-    faults of two wrong orders (negative controls): the first block first, and, under causal
-    masking, the count of an unmasked order."""
+    faults of wrong orders (negative controls): the first block first; without a mask,
+    every block counted before block n at every tile (the one order of the kernel before
+    2026-12-06, whose walks all began at tile 0, played on the rotated walks: it waits for
+    blocks that add to the other sum or not at all); under causal masking with S_q < S_k,
+    the count of an unmasked order."""
     sizes = [(1, 1), (1, 300), (64, 64), (127, 131), (200, 70), (70, 200), (1000, 129),
-             (129, 1000), (4096, 4096), (333, 777)]  # fmt: skip
+             (129, 1000), (4096, 4096), (333, 777), (2048, 4096)]  # fmt: skip
     for s_q, s_k in sizes:
         assert dq_order_faults(s_q, s_k, causal, cute_3_backward.blocks_before) == []
 
@@ -1036,10 +1086,17 @@ def test_cute_backward_dq_order(causal):
     assert dq_order_faults(4096, 4096, causal, first_block_first)
     if causal:
 
-        def unmasked(n, tile, n_blocks, s_q, s_k, block_m, causal):
-            return cute_3_backward.blocks_before(n, tile, n_blocks, s_q, s_k, block_m, False)
+        def unmasked(n, tile, wrapped, n_blocks, s_q, s_k, block_m, causal):
+            return cute_3_backward.blocks_before(n, tile, wrapped, n_blocks, s_q, s_k, block_m,
+                                                 False)  # fmt: skip
 
-        assert dq_order_faults(4096, 4096, causal, unmasked)
+        assert dq_order_faults(2048, 4096, causal, unmasked)
+    else:
+
+        def last_block_first(n, tile, wrapped, n_blocks, *_):
+            return n_blocks - 1 - n
+
+        assert dq_order_faults(4096, 4096, causal, last_block_first)
 
 
 @needs_cute
