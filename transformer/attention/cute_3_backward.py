@@ -44,7 +44,8 @@ for the n_blocks - 1 - n blocks before it, one after another.
    an MN-major A operand), the two meet on a named barrier, and each multiplies all 128 keys'
    dS by its half of D of K. A writer warp adds the halves to the float32 sum by TMA reduce-add
    (`cp.reduce.async.bulk.tensor`, performed in L2) in the semaphore's order.
-3. dQ = scale x the sum (of the two sums), rounded (cute_impl: torch).
+3. dQ = the sum (of the two sums, each already scaled by the consumers), rounded (cute_impl:
+   one torch add, or copy).
 
 The map of kernel 2. Step 2's (cute_2_wgmma.py) machinery: 384 threads; warpgroup 0 the producer
 (setmaxnreg down to 24 registers), in which warp 0 issues every TMA load and warp 1 is the dQ
@@ -361,7 +362,7 @@ def next_in_order(tile, tiles, causal: cutlass.Constexpr):
 @cute.jit
 def backward_query_tile(
     state, tile, mmas, frags, views, scores_t, dp_t, dk, dv, dq, lse, delta, b, h, last_h,
-    tiles, score_coords, first_key, s_q, s_k, scale_log2, half, mine,
+    tiles, score_coords, first_key, s_q, s_k, scale_log2, scale, half, mine,
     block_m: cutlass.Constexpr, causal: cutlass.Constexpr, masked: cutlass.Constexpr,
 ):  # fmt: skip
     """Query tile `tile` of head h, landed in the ring's stage state.index, into this
@@ -412,6 +413,8 @@ def backward_query_tile(
               k_t_frag[None, None, None, key_half],
               overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip
     warpgroup.wait_group(0)
+    for i in cutlass.range_constexpr(cute.size(dq)):  # scale dS K: the sums add dQ itself
+        dq[i] = dq[i] * scale
     cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)
     cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))
     cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)
@@ -503,8 +506,8 @@ def consume(
             backward_query_tile, mmas=mmas, frags=frags, views=views, scores_t=scores_t,
             dp_t=dp_t, dk=dk, dv=dv, dq=dq, lse=lse, delta=delta, b=b, h=first_h + head,
             last_h=last_h, tiles=tiles, score_coords=score_coords, first_key=first_key,
-            s_q=s_q, s_k=s_k, scale_log2=scale_log2, half=half, mine=mine, block_m=block_m,
-            causal=causal,
+            s_q=s_q, s_k=s_k, scale_log2=scale_log2, scale=scale, half=half, mine=mine,
+            block_m=block_m, causal=causal,
         )  # fmt: skip
         state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
         state = consume_tiles(ring, state, start, end, visit, False)
@@ -626,8 +629,8 @@ def launch_backward(
     sequence and head strides that are multiples of 16 bytes (TMA's rules; cute_impl checks),
     into dK, dV and dq_sum: delta_kernel, then (same stream) attention_backward_kernel. Scratch:
     delta (B, H, S_q) float32; dq_sum (B, S_q, H, SUMS D) float32, rows 16-byte aligned;
-    semaphores (B, H, SUMS, ceil(S_q / 64)) int32 (`sums`). dQ = scale x the sum of the sums
-    (each D columns) is the caller's."""
+    semaphores (B, H, SUMS, ceil(S_q / 64)) int32 (`sums`). dQ = the sum of the sums (each D
+    columns), rounded, is the caller's."""
     block_m, stages = TILES[head_dim]
     dtype = q.element_type
     batch = cutlass.Int32(cute.size(q, mode=[0]))

@@ -258,7 +258,8 @@ def attention_backward_cute(q, k, v, o, lse, do, causal, scale, dq, dk, dv):
 def run_backward(kernel, q, k, v, o, lse, do, causal, scale, dq, dk, dv):
     """A compiled backward (`compile_step(..., backward=True)`) on validated operands, with
     its scratch: delta, the float32 dQ sums (side by side in a row) and their semaphores,
-    zeroed by its first kernel; dQ = scale x (the first sum + the second), rounded once."""
+    zeroed by its first kernel; dQ = the first sum + the second (the kernel adds scale dS K),
+    rounded once."""
     batch, s_q, heads, head_dim = q.shape
     block_m, _ = cute_3_backward.TILES[head_dim]
     sums = cute_3_backward.sums(causal)
@@ -269,10 +270,10 @@ def run_backward(kernel, q, k, v, o, lse, do, causal, scale, dq, dk, dv):
                              device=q.device)  # fmt: skip
     kernel(q, k, v, o, lse, do, dk, dv, delta, dq_sums, semaphores,
            scale * cute_1_tiled.LOG2E, scale)  # fmt: skip
-    dq_sum = dq_sums[..., :head_dim]
     if sums == 2:
-        dq_sum.add_(dq_sums[..., head_dim:])
-    torch.mul(dq_sum, scale, out=dq)
+        torch.add(dq_sums[..., :head_dim], dq_sums[..., head_dim:], out=dq)
+    else:
+        dq.copy_(dq_sums)
 
 
 AttentionFunction, attention, _forward_op = model_plumbing(
