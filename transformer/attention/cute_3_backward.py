@@ -248,6 +248,14 @@ def query_tiles(n_block, n_blocks, s_q, s_k, block_m, causal):
     return first, full, start, end
 
 
+def walk(tiles):
+    """A block's walk over its query tiles (`query_tiles`), as the three ranges in its order,
+    each (lo, hi, masked, wrapped): the producer loads, the consumers compute and the writer
+    adds the same tiles in this order."""
+    first, full, start, end = tiles
+    return (first, full, True, False), (start, end, False, False), (full, start, False, True)
+
+
 def blocks_before(n_block, tile, wrapped, n_blocks, s_q, s_k, block_m, causal):
     """How many key blocks add to query tile `tile`'s dQ sum before block n_block: the first sum
     for the tiles a block visits before it wraps around, the second for those after (`wrapped`,
@@ -289,7 +297,6 @@ def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_block
              causal: cutlass.Constexpr):  # fmt: skip
     """The writer warp, over the query tiles in the consumers' order (`query_tiles`), each
     into its sum (`add_tile`)."""
-    first, full, start, end = tiles
     for head in cutlass.range(group, unroll=1):
         h = g * group + head
         boxes_of_sums = cute.local_tile(DQ_sum[None, None, h, b], (block_m, DQ_BOX), (None, None))
@@ -302,12 +309,9 @@ def write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_block
             semaphores=semaphores, b=b, h=h, n_block=n_block, n_blocks=n_blocks, s_q=s_q,
             s_k=s_k, block_m=block_m, head_dim=head_dim, causal=causal,
         )  # fmt: skip
-        for tile in cutlass.range(first, full, unroll=1):
-            add(tile=tile, wrapped=False)
-        for tile in cutlass.range(start, end, unroll=1):
-            add(tile=tile, wrapped=False)
-        for tile in cutlass.range(full, start, unroll=1):
-            add(tile=tile, wrapped=True)
+        for lo, hi, _, wrapped in walk(tiles):
+            for tile in cutlass.range(lo, hi, unroll=1):
+                add(tile=tile, wrapped=wrapped)
 
 
 @cute.jit
@@ -432,7 +436,7 @@ def consume(
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_smem, v_smem, q_smem, do_smem, ds_smem, staging, stats_smem = buffers
     tma_dk, DK_tma, tma_dv, DV_tma = stores
-    first, full, start, end = tiles
+    first, _, start, _ = tiles
     half = warpgroup_index - 1  # which 64 keys of the block, and which half of D of dQ
     mine = thread % WARPGROUP_THREADS
     first_key = n_block * BLOCK_N + half * WGMMA_M
@@ -509,9 +513,8 @@ def consume(
             s_q=s_q, s_k=s_k, scale_log2=scale_log2, scale=scale, half=half, mine=mine,
             block_m=block_m, causal=causal,
         )  # fmt: skip
-        state = consume_tiles(ring, state, first, full, visit, True)  # the diagonal's tiles
-        state = consume_tiles(ring, state, start, end, visit, False)
-        state = consume_tiles(ring, state, full, start, visit, False)  # wrapped around
+        for lo, hi, masked, _ in walk(tiles):
+            state = consume_tiles(ring, state, lo, hi, visit, masked)
 
     # dK and dV go into this warpgroup's halves of K's and V's buffers. V's half was read by
     # this warpgroup's dP^T only, K's by its S^T and by both consumers' dQ wgmmas: both have
@@ -551,7 +554,6 @@ def attention_backward_kernel(
     g = block // n_blocks % heads_kv
     b = block // n_blocks // heads_kv
     tiles = query_tiles(n_block, n_blocks, s_q, s_k, block_m, causal)
-    first, full, start, end = tiles
     if warp == 0:
         for atom in (tma_k, tma_v, tma_q, tma_do, tma_dk, tma_dv, tma_add):
             cpasync.prefetch_descriptor(atom)
@@ -583,9 +585,8 @@ def attention_backward_kernel(
                 loads = [(tma, *tma_tiles(tma, T[None, None, h, b], buffers, block_m, head_dim))
                          for tma, T, buffers in ((tma_q, Q_tma, q_smem),
                                                  (tma_do, DO_tma, do_smem))]  # fmt: skip
-                state = load_tiles(ring, state, loads, first, full)  # `query_tiles`' walk
-                state = load_tiles(ring, state, loads, start, end)
-                state = load_tiles(ring, state, loads, full, start)
+                for lo, hi, _, _ in walk(tiles):
+                    state = load_tiles(ring, state, loads, lo, hi)
             ring.producer_tail(state)
         if warp == WRITER_WARP:
             write_dq(tma_add, DQ_sum, staging, semaphores, b, g, group, n_block, n_blocks, tiles,

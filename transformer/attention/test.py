@@ -989,16 +989,15 @@ if cute_impl is not None:  # @cute.jit needs the DSL
 
 
 def dq_walks(s_q, s_k, causal):
-    """Each key block's walk over the query tiles (cute_3_backward.query_tiles), as (sum,
-    tile) in its order: sum 1 for the tiles after it wraps around."""
+    """Each key block's walk over the query tiles (cute_3_backward.walk, the kernel's own), as
+    (sum, tile) in its order: sum 1 for the tiles after it wraps around."""
     block_m, _ = cute_3_backward.TILES[128]
     n_blocks = -(-s_k // cute_3_backward.BLOCK_N)
     walks = []
     for n in range(n_blocks):
-        first, full, start, end = cute_3_backward.query_tiles(n, n_blocks, s_q, s_k, block_m,
-                                                              causal)  # fmt: skip
-        walks.append([(0, t) for t in [*range(first, full), *range(start, end)]]
-                     + [(1, t) for t in range(full, start)])  # fmt: skip
+        tiles = cute_3_backward.query_tiles(n, n_blocks, s_q, s_k, block_m, causal)
+        walks.append([(int(wrapped), t) for lo, hi, _, wrapped in cute_3_backward.walk(tiles)
+                      for t in range(lo, hi)])  # fmt: skip
     return walks
 
 
