@@ -222,8 +222,8 @@ def attention_forward_step3(q, k, v, causal, scale, o, lse):
 
 
 # Where step 3's backward beats Triton's, the backward alone at 4 x 4096 x 16 x 128 and 4 x 4096
-# x 32 x 64, bf16, on an H100 (2026-12-06), ms: D = 128 2.91 against 3.07, causal 1.55 against
-# 1.68; D = 64 4.01 against 3.60, causal 2.05 against 2.06.
+# x 32 x 64, bf16, on an H100 (2026-12-06, the rotated walk), ms: D = 128 2.83-2.85 against
+# 3.03-3.14, causal 1.52-1.53 against 1.66-1.71; D = 64 3.83 against 3.56, causal 2.07 both.
 CUTE_BACKWARD_HEAD_DIMS = (128,)
 
 
