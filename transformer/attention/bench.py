@@ -21,8 +21,9 @@ Flops: the forward's two products are 4 B H S_q S_k D (halved for causal, where 
 are masked); fwd+bwd counts 3.5 times that (the backward's five products, as flash-attention
 counts). Times are medians of `triton.testing.do_bench` (L2 flushed) of each pass captured in a
 CUDA graph and replayed: the kernels' time; a pass the capture refuses is timed eagerly and its
-row's `timing` says why. Implementations are interleaved in ROUNDS rotated rounds, shape by
-shape. The ceiling is torch.matmul on bf16 8192^3 in the same run. The library op is torch's
+row's `timing` says why. Implementations are interleaved in ROUNDS rounds, shape by shape,
+each round in its own shuffled order (`round_order`), and each pass is run for WARMUP_MS before
+it is timed. The ceiling is torch.matmul on bf16 8192^3 in the same run. The library op is torch's
 `scaled_dot_product_attention` as it chooses; the anchors: SDPA forced to cuDNN and to
 flash-attention 2, FlashAttention-4's CuTe kernels (`flash_attn.cute.flash_attn_func`) when
 importable. torch_impl (the materialised scores) is timed where its float32 scores fit.
@@ -31,6 +32,7 @@ importable. torch_impl (the materialised scores) is timed where its float32 scor
 import functools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -45,6 +47,12 @@ import triton_impl
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = 3
+# The card's clock follows its power draw over milliseconds, so a pass may time faster right
+# after a light kernel than after a heavy one. In rounds rotated from one fixed list every name
+# had the same predecessor each round, and on an H100 `cute` (after fa2, the slowest) timed
+# 3-8% faster than `cute.step3`, the same kernels (after step 2): README.md, tuning log. So
+# each round has its own order and each pass first runs WARMUP_MS on its own.
+WARMUP_MS = 25
 HEADLINE = (4, 4096, 32, 32, 128)  # (B, S, H, H_kv, D)
 # perf.png: 16384 tokens a batch at S = 512 ... 16384, D = 64 and 128; GQA (8 KV heads) once.
 SWEEP = [
@@ -119,8 +127,16 @@ def implementations():
     return impls
 
 
+def round_order(names, round_index):
+    """The names in round `round_index`'s order: a shuffle seeded by the round, the same in
+    every run, so that a name follows a different one each round (WARMUP_MS)."""
+    order = list(names)
+    random.Random(round_index).shuffle(order)
+    return order
+
+
 def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=30, return_mode="median")
 
 
 def graph_ms(fn):
@@ -170,8 +186,8 @@ def shape_rows(impls, shape, causal, ceiling, dtype=torch.bfloat16):
         n for n in impls if n != "torch" or 4 * batch * heads * seq * seq <= MATERIALISED_LIMIT
     ]
     samples = {name: [] for name in names}
-    for shift in range(ROUNDS):
-        for name in names[shift:] + names[:shift]:
+    for round_index in range(ROUNDS):
+        for name in round_order(names, round_index):
             if name not in samples:
                 continue
             try:
@@ -207,9 +223,8 @@ def per_call_rows(impls):
     k, v = (torch.randn(batch, seq, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
             for _ in "kv")  # fmt: skip
     samples = {name: [] for name in impls}
-    for shift in range(ROUNDS):
-        names = list(impls)
-        for name in names[shift:] + names[:shift]:
+    for round_index in range(ROUNDS):
+        for name in round_order(list(impls), round_index):
             call = impls[name]
             call(q, k, v, False)
             torch.cuda.synchronize()
