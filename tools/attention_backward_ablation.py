@@ -17,6 +17,11 @@ matches the source stops the tool), imported in its own process in place of cute
   unordered     the dQ adds in any order: no semaphores, the writer waits only for its reads
   no adds       unordered, and the writer issues no TMA reduce-add
   no handover   the consumers do not stage dQ for the writer, which does nothing
+  no fence      unordered, and the consumers do not fence their staged dQ for TMA
+  no empty wait unordered, and the consumers do not wait for the writer to hand the staging
+                buffer back (nor does the writer)
+  no stores     unordered, and the consumers do not store their dQ into the staging buffer
+                (the last three split "no handover"'s saving among its pieces)
   no dQ         no handover, and no dS^T store, DS_READY barrier or dQ wgmma either
   no stats      the whole kernel with lse and delta not loaded (constants staged instead)
   no meeting    the consumers do not meet on DS_READY a tile (dQ reads whichever dS^T is there)
@@ -64,6 +69,22 @@ NO_HANDOVER = [
      "number_of_threads=CONSUMER_AND_WRITER)",
      ""),
 ]  # fmt: skip
+NO_FENCE = [
+    ("    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
+     '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n',
+     "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"),
+]  # fmt: skip
+NO_EMPTY_WAIT = [
+    ("    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)\n"
+     "    cute.autovec_copy(dq,",
+     "    cute.autovec_copy(dq,"),
+    ("        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + half, "
+     "number_of_threads=CONSUMER_AND_WRITER)",
+     "        pass"),
+]  # fmt: skip
+NO_STORES = [
+    ("    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n", ""),
+]  # fmt: skip
 NO_DQ = [
     ("    cute.autovec_copy(ds_t, mma_kq.get_slice(mine).partition_C(ds_store[None, None, slot]))\n"
      '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by the wgmmas (async proxy)\n'
@@ -90,6 +111,9 @@ VARIANTS = {
     "unordered": UNORDERED,
     "no adds": UNORDERED + NO_ADDS,
     "no handover": NO_HANDOVER,
+    "no fence": UNORDERED + NO_FENCE,
+    "no empty wait": UNORDERED + NO_EMPTY_WAIT,
+    "no stores": UNORDERED + NO_STORES,
     "no dQ": NO_HANDOVER + NO_DQ,
     "no stats": NO_STATS,
     "no meeting": NO_MEETING,
