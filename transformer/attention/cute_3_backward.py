@@ -256,6 +256,13 @@ def walk(tiles):
     return (first, full, True, False), (start, end, False, False), (full, start, False, True)
 
 
+def walk_start(tiles, causal):
+    """The first query tile of a block's walk (`walk`): causal, its first masked tile (or
+    `full`, the same tile, when none is masked); without a mask, its start."""
+    first, _, start, _ = tiles
+    return first if causal else start
+
+
 def blocks_before(n_block, tile, wrapped, n_blocks, s_q, s_k, block_m, causal):
     """How many key blocks add to query tile `tile`'s dQ sum before block n_block: the first sum
     for the tiles a block visits before it wraps around, the second for those after (`wrapped`,
@@ -352,15 +359,15 @@ def next_in_order(tile, tiles, causal: cutlass.Constexpr):
     """The query tile after `tile` in a block's walk (`query_tiles`: causal [first, end), else
     [start, end) then [0, start)), and whether `tile` is the head's last, after which the walk
     begins again at its first tile (`next` is then that one)."""
-    first, _, start, end = tiles
+    _, _, start, end = tiles
     after = tile + 1
-    walk_first, next_tile = first, after
+    next_tile = after
     head_done = after == end
     if cutlass.const_expr(not causal):
-        walk_first = start
         head_done = after == cutlass.select_(start > 0, start, end)
         next_tile = cutlass.select_(after == end, 0, after)
-    return cutlass.Int32(cutlass.select_(head_done, walk_first, next_tile)), head_done
+    return (cutlass.Int32(cutlass.select_(head_done, walk_start(tiles, causal), next_tile)),
+            head_done)  # fmt: skip
 
 
 @cute.jit
@@ -436,7 +443,6 @@ def consume(
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_smem, v_smem, q_smem, do_smem, ds_smem, staging, stats_smem = buffers
     tma_dk, DK_tma, tma_dv, DV_tma = stores
-    first, _, start, _ = tiles
     half = warpgroup_index - 1  # which 64 keys of the block, and which half of D of dQ
     mine = thread % WARPGROUP_THREADS
     first_key = n_block * BLOCK_N + half * WGMMA_M
@@ -498,7 +504,7 @@ def consume(
 
     # The first tile's statistics (its parity is 0), seen by the warpgroup after the barrier.
     first_h, last_h = g * group, g * group + group - 1
-    walk_first = first if cutlass.const_expr(causal) else start  # `next_in_order`
+    walk_first = walk_start(tiles, causal)
     stage_stats(fetch_stats(lse, delta, b, first_h, walk_first, s_q, mine, block_m), stats, 0,
                 walk_first, s_q, mine, block_m)  # fmt: skip
     cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)

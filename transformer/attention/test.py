@@ -1042,6 +1042,8 @@ def dq_order_faults(s_q, s_k, causal, blocks_before):
     or with S_q = S_k, no block waits for another: the rounds are the longest walk's tiles."""
     block_m, _ = cute_3_backward.TILES[128]
     n_blocks, tiles = -(-s_k // cute_3_backward.BLOCK_N), -(-s_q // block_m)
+    longest = max(len(walk) for walk in dq_walks(s_q, s_k, causal))
+    no_chain = tiles >= n_blocks and (not causal or s_q == s_k)
     faults = []
     for resident in sorted({1, 2, n_blocks}):
         played = play_dq_order(s_q, s_k, causal, blocks_before, resident)
@@ -1057,8 +1059,6 @@ def dq_order_faults(s_q, s_k, causal, blocks_before):
         for key, blocks in adds.items():
             if blocks != sorted(blocks, reverse=True):
                 faults.append(f"sum {key[0]}, tile {key[1]}: blocks {blocks} in that order")
-        longest = max(len(walk) for walk in dq_walks(s_q, s_k, causal))
-        no_chain = tiles >= n_blocks and (not causal or s_q == s_k)
         if resident == n_blocks and no_chain and rounds != longest:
             faults.append(f"{rounds} rounds for walks of {longest} tiles")
     return faults
