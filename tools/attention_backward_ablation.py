@@ -24,7 +24,6 @@ matches the source stops the tool), imported in its own process in place of cute
                 (the last three split "no handover"'s saving among its pieces)
   no dQ         no handover, and no dS^T store, DS_READY barrier or dQ wgmma either
   no stats      the whole kernel with lse and delta not loaded (constants staged instead)
-  no meeting    the consumers do not meet on DS_READY a tile (dQ reads whichever dS^T is there)
 
 bf16, 4 x 4096 x 16 x 128 (half the headline's heads; --d64: 4 x 4096 x 32 x 64), causal and
 not; --quick: non-causal only;
@@ -96,8 +95,7 @@ NO_DQ = [
      '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by the wgmmas (async proxy)\n'
      "    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)\n",
      ""),
-    ("        issue(mma_dq, dq, ds_frag[None, None, None, "
-     "parity * CONSUMER_WARPGROUPS + key_half],\n"
+    ("        issue(mma_dq, dq, ds_frag[None, None, None, slots + key_half],\n"
      "              k_t_frag[None, None, None, key_half],\n"
      "              overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip",
      "        pass"),
@@ -105,11 +103,6 @@ NO_DQ = [
 NO_STATS = [
     ("    return lse[b, h, query], delta[b, h, query]",
      "    return cutlass.Float32(1.0), cutlass.Float32(0.0)"),
-]  # fmt: skip
-NO_MEETING = [
-    ("    cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)\n"
-     "    # dQ share = dS K",
-     "    # dQ share = dS K"),
 ]  # fmt: skip
 VARIANTS = {
     "whole": [],
@@ -122,7 +115,6 @@ VARIANTS = {
     "no stores": UNORDERED + NO_STORES,
     "no dQ": NO_HANDOVER + NO_DQ,
     "no stats": NO_STATS,
-    "no meeting": NO_MEETING,
 }
 
 # Run in a child process with the variant's cute_3_backward first on sys.path (put there by the

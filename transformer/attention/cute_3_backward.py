@@ -59,8 +59,8 @@ stmatrix and one TMA store a warpgroup.
   head after head of the group, into a ring of `stages`.
 - A consumer thread holds dK and dV (64 x D / 128 floats each: 128 together at D = 128), S^T and
   dP^T (64 x 64 / 128 each: 32), P^T and dS^T rounded, its columns' lse and delta (read from
-  shared memory), and, after S^T and dP^T are dead, its dQ half (64 x D / 2 / 128: 32 at D =
-  128).
+  shared memory), and its dQ half (64 x D / 2 / 128: 32 at D = 128) from the start of a tile
+  until its handover, in the registers dP^T takes after it.
 - lse and delta come a tile ahead: each consumer thread loads one of the next tile's 64 lse
   and 64 delta values at the start of a tile (no branch: the query clamped, then 0 selected
   past S_q) and stores it into the consumer's own buffer (two by parity) before the tile's
@@ -87,10 +87,16 @@ stmatrix and one TMA store a warpgroup.
   keys past S_k are zero rows of K and V: they only reach rows of dK and dV that TMA does not
   store, and add dS x 0 = 0 to dQ.
 
-Within a tile the products overlap the row work where the data allow: S^T and dP^T are issued
-together and P^T is computed while dP^T's wgmmas run, dS^T while dV's run, dS^T's store to
-shared memory while dK's run. Not yet in it: the two consumers taking turns (step 3's
-forward's ping-pong).
+Within a tile the products overlap the row work where the data allow. A tile begins with the
+tile before's dQ product (both consumers' dS^T met on that tile's barrier) and its own S^T
+issued together; dQ's handover to the writer (scale, stores into the staging buffer, fence)
+runs while S^T's wgmmas do, then dP^T is issued into the registers dQ left, P^T is computed
+while dP^T's wgmmas run, dS^T while dV's run, and dS^T's store to shared memory while dK's
+run. dQ is issued a tile late because the consumers cannot wait for it at the end of its own
+tile without the tensor cores idling through the handover, and cannot leave it running past
+the loop's end into the next tile either: ptxas then no longer sees that the wait before the
+handover covers it, and serializes every wgmma of the kernel (its warning C7514). Not yet in
+it: the two consumers taking turns (step 3's forward's ping-pong).
 """
 
 import functools
@@ -389,7 +395,11 @@ def backward_query_tile(
     next_tile, head_done = next_in_order(tile, tiles, causal)
     next_h = cutlass.Int32(cutlass.select_(head_done, cutlass.min(h + 1, last_h), h))
     fetched = fetch_stats(lse, delta, b, next_h, next_tile, s_q, mine, block_m)  # lands a tile on
+    issue_dq(state.count, mma_dq, overwrite_dq, dq, ds_frag, k_t_frag)  # the tile before's
     issue(mma_kq, scores_t, k_frag, q_frag[None, None, None, stage], overwrite)
+    warpgroup.wait_group(1)  # dQ has landed; S^T's wgmmas run on under its handover
+    if state.count > 0:
+        hand_over(dq, mma_dq, dq_staged, scale, half, mine)
     issue(mma_kq, dp_t, v_frag, do_frag[None, None, None, stage], overwrite)
     warpgroup.wait_group(1)  # S^T has landed; P^T is computed while dP^T's wgmmas run
     p_rows, dp_rows = by_rows(scores_t), by_rows(dp_t)
@@ -418,13 +428,32 @@ def backward_query_tile(
     cute.autovec_copy(ds_t, mma_kq.get_slice(mine).partition_C(ds_store[None, None, slot]))
     cute.arch.fence_proxy("async.shared", space="cta")  # seen by the wgmmas (async proxy)
     cute.arch.barrier(barrier_id=DS_READY, number_of_threads=CONSUMERS)
-    # dQ share = dS K over the block's 128 keys (both consumers' dS^T), this half of D.
+    warpgroup.wait_group(0)  # dV's and dK's wgmmas have read the stage (it is released next)
+
+
+@cute.jit
+def issue_dq(count, mma_dq, overwrite_dq, dq, ds_frag, k_t_frag):
+    """The dQ share of the tile before the one `count` tiles into the walk, dS K over the
+    block's 128 keys (both consumers' dS^T, in the buffers of the other parity, met on that
+    tile's barrier), this warpgroup's half of D: issued, not waited for. Issued at the start of
+    the next tile, so that its handover runs under that tile's S^T. On a walk's first tile there
+    is no tile before: the product reads whatever the buffers hold and is not handed over.
+    Issued on every tile all the same: with the wgmma groups the same on every path, ptxas sees
+    that the wait before the handover covers it (behind a branch, it serialized every wgmma of
+    the kernel, its warning C7514)."""
+    slots = (1 - count % 2) * CONSUMER_WARPGROUPS
     for key_half in cutlass.range_constexpr(CONSUMER_WARPGROUPS):
-        issue(mma_dq, dq, ds_frag[None, None, None, parity * CONSUMER_WARPGROUPS + key_half],
+        issue(mma_dq, dq, ds_frag[None, None, None, slots + key_half],
               k_t_frag[None, None, None, key_half],
               overwrite_dq if cutlass.const_expr(key_half == 0) else None)  # fmt: skip
-    warpgroup.wait_group(0)
-    for i in cutlass.range_constexpr(cute.size(dq)):  # scale dS K: the sums add dQ itself
+
+
+@cute.jit
+def hand_over(dq, mma_dq, dq_staged, scale, half, mine):
+    """This warpgroup's dQ share of a tile (its wgmmas complete), scaled (the sums add dQ
+    itself), into its staging buffer once the writer has handed the buffer back ("empty"),
+    then to the writer ("full")."""
+    for i in cutlass.range_constexpr(cute.size(dq)):
         dq[i] = dq[i] * scale
     cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)
     cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))
@@ -472,6 +501,12 @@ def consume(
     )  # fmt: skip
     boxes = d_half // DQ_BOX
     stats = stats_smem[None, None, half]  # this warpgroup's own: (STATS, parity)
+    # This warpgroup's (queries, D / 2) of dQ onto its staging boxes (queries, 32).
+    dq_staged = cute.composition(
+        staging,
+        cute.make_layout((block_m, (DQ_BOX, boxes), CONSUMER_WARPGROUPS),
+                         stride=(1, (block_m, block_m * DQ_BOX), block_m * DQ_BOX * boxes)),
+    )[None, None, half]  # fmt: skip
     views = (
         # dS^T's (keys, queries) onto the dS buffers' (queries, keys, slot).
         cute.composition(
@@ -479,12 +514,7 @@ def consume(
             cute.make_layout((WGMMA_M, block_m, 2 * CONSUMER_WARPGROUPS),
                              stride=(block_m, 1, block_m * WGMMA_M)),
         ),
-        # This warpgroup's (queries, D / 2) of dQ onto its staging boxes (queries, 32).
-        cute.composition(
-            staging,
-            cute.make_layout((block_m, (DQ_BOX, boxes), CONSUMER_WARPGROUPS),
-                             stride=(1, (block_m, block_m * DQ_BOX), block_m * DQ_BOX * boxes)),
-        )[None, None, half],
+        dq_staged,
         stats,
     )  # fmt: skip
     score_shape = kq_thread.partition_shape_C((WGMMA_M, block_m))
@@ -521,6 +551,10 @@ def consume(
         )  # fmt: skip
         for lo, hi, masked, _ in walk(tiles):
             state = consume_tiles(ring, state, lo, hi, visit, masked)
+    issue_dq(state.count, mma_dq, overwrite_dq, dq, frags[6], frags[7])  # the walk's last tile's
+    warpgroup.wait_group(0)
+    if state.count > 0:
+        hand_over(dq, mma_dq, dq_staged, scale, half, mine)
 
     # dK and dV go into this warpgroup's halves of K's and V's buffers. V's half was read by
     # this warpgroup's dP^T only, K's by its S^T and by both consumers' dQ wgmmas: both have

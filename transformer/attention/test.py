@@ -750,8 +750,9 @@ def backward_ptx_promises(kind, head_dim):
     query tiles, in two loops (causal: the masked tiles, then the others; without a mask: the
     tiles from the block's start on, then those wrapped around), each with S^T and dP^T (64 x
     BLOCK_M, D / 16 wgmmas each, from shared memory), dV += P^T dO and dK += dS^T Q (64 x D,
-    BLOCK_M / 16 each, from registers) and dQ's share dS K (64 x D / 2 a consumer, BLOCK_N /
-    16 from shared memory); TMA loads on mbarriers, TMA stores of dK and dV written by
+    BLOCK_M / 16 each, from registers) and the tile before's dQ share dS K (64 x D / 2 a
+    consumer, BLOCK_N / 16 from shared memory; once more after the loops, the last tile's);
+    TMA loads on mbarriers, TMA stores of dK and dV written by
     stmatrix, dQ added in float32 by TMA reduce-add in the order of a semaphore (an acquire
     load, a release add on an integer); setmaxnreg with the .minnctapersm that keeps ptxas
     from ignoring it; no float atomics (a float sum in no fixed order). As (instruction
@@ -761,7 +762,7 @@ def backward_ptx_promises(kind, head_dim):
     wgmma = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{kind}.{kind} "
     expected = collections.Counter({wgmma.format(block_m): loops * 2 * head_dim // 16})
     expected[wgmma.format(head_dim)] += loops * 2 * block_m // 16
-    expected[wgmma.format(head_dim // 2)] += loops * cute_3_backward.BLOCK_N // 16
+    expected[wgmma.format(head_dim // 2)] += (loops + 1) * cute_3_backward.BLOCK_N // 16
     expected[REGISTER_A_WGMMA] = loops * 2 * block_m // 16
     _, present, absent = step2_ptx_promises(kind, head_dim)
     present = [*present, ".minnctapersm 1", "shfl.sync.bfly",
