@@ -383,10 +383,11 @@ def backward_query_tile(
     block_m: cutlass.Constexpr, causal: cutlass.Constexpr, masked: cutlass.Constexpr,
 ):  # fmt: skip
     """Query tile `tile` of head h, landed in the ring's stage state.index, into this
-    warpgroup's dK and dV, and this warpgroup's half of D of the tile's dQ share staged for the
-    writer; dS^T and the statistics through the buffers of the parity of state.count, where
-    this tile stages the next one's statistics (the next in the consumers' order,
-    `next_in_order`; after the group's last, any tile)."""
+    warpgroup's dK and dV; first the tile before's dQ share (this warpgroup's half of D) issued
+    and handed to the writer, then this tile's dS^T left in shared memory for the next tile's
+    (`issue_dq`). dS^T and the statistics go through the buffers of the parity of
+    state.count, where this tile stages the next one's statistics (the next in the consumers'
+    order, `next_in_order`; after the group's last, any tile)."""
     stage, parity = state.index, state.count % 2
     mma_kq, mma_acc, overwrite, mma_dq, overwrite_dq = mmas
     k_frag, v_frag, q_frag, do_frag, q_t_frag, do_t_frag, ds_frag, k_t_frag = frags
