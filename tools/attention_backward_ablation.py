@@ -59,6 +59,12 @@ NO_ADDS = [
 # and the first runs of "no stores" and "no handover" timed the kernel without dQ's product
 # (cuobjdump: 52 HGMMA instructions of the whole kernel's 64).
 NEVER = "    if scale < 0.0:  # never: dQ's wgmmas stay (ptxas drops a product nothing reads)\n"
+# hand_over's stores of dQ into the staging buffer, and the fence that shows them to TMA.
+STAGE_DQ = "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
+FENCE_FOR_TMA = (
+    '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n'
+)
+NEVER_STAGED = NEVER + "    " + STAGE_DQ
 NO_HANDOVER = [
     ("    for head in cutlass.range(group, unroll=1):\n"
      "        h = g * group + head\n"
@@ -67,17 +73,12 @@ NO_HANDOVER = [
      "        h = g * group + head\n"
      "        boxes_of_sums ="),
     ("    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)\n"
-     "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
-     '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n'
-     "    cute.arch.barrier_arrive(barrier_id=DQ_FULL + half, "
+     + STAGE_DQ + FENCE_FOR_TMA
+     + "    cute.arch.barrier_arrive(barrier_id=DQ_FULL + half, "
      "number_of_threads=CONSUMER_AND_WRITER)",
-     NEVER + "        cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))"),
+     NEVER_STAGED.rstrip("\n")),
 ]  # fmt: skip
-NO_FENCE = [
-    ("    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"
-     '    cute.arch.fence_proxy("async.shared", space="cta")  # seen by TMA (async proxy)\n',
-     "    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"),
-]  # fmt: skip
+NO_FENCE = [(STAGE_DQ + FENCE_FOR_TMA, STAGE_DQ)]
 NO_EMPTY_WAIT = [
     ("    cute.arch.barrier(barrier_id=DQ_EMPTY + half, number_of_threads=CONSUMER_AND_WRITER)\n"
      "    cute.autovec_copy(dq,",
@@ -87,8 +88,7 @@ NO_EMPTY_WAIT = [
      "        pass"),
 ]  # fmt: skip
 NO_STORES = [
-    ("    cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n",
-     NEVER + "        cute.autovec_copy(dq, mma_dq.get_slice(mine).partition_C(dq_staged))\n"),
+    (STAGE_DQ, NEVER_STAGED),
 ]  # fmt: skip
 NO_DQ = [
     ("    cute.autovec_copy(ds_t, mma_kq.get_slice(mine).partition_C(ds_store[None, None, slot]))\n"

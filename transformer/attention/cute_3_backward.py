@@ -552,7 +552,8 @@ def consume(
         )  # fmt: skip
         for lo, hi, masked, _ in walk(tiles):
             state = consume_tiles(ring, state, lo, hi, visit, masked)
-    issue_dq(state.count, mma_dq, overwrite_dq, dq, frags[6], frags[7])  # the walk's last tile's
+    ds_frag, k_t_frag = frags[-2:]  # dQ's operands
+    issue_dq(state.count, mma_dq, overwrite_dq, dq, ds_frag, k_t_frag)  # the walk's last tile's
     warpgroup.wait_group(0)
     if state.count > 0:
         hand_over(dq, mma_dq, dq_staged, scale, half, mine)
